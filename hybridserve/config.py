@@ -1,0 +1,42 @@
+"""Engine configuration: frozen dataclasses, validated at construction with errors that name the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridserve.sampling_params import InvalidParameter
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # GGUF file, HF directory, or None for the embedded default model
+    served_model_name: str | None = None  # defaults to "smollm2" for the default, else the path's stem
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: int | None = None  # defaults to the model's context length
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048  # token budget per engine step
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 2 * 1024**3
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes (tests use tiny budgets)
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0  # >0: a prefill chunk takes at most this many tokens per step
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidParameter("dtype", f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidParameter(name, f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidParameter("max_model_len", f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise InvalidParameter("num_kv_blocks", f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.long_prefill_token_threshold < 0:
+            raise InvalidParameter(
+                "long_prefill_token_threshold",
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
+            )

@@ -1,0 +1,142 @@
+"""The engine core: one step = schedule → execute → update. Owns the scheduler, cache and model runner."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from hybridserve.config import EngineConfig
+from hybridserve.engine.cache.manager import KVCacheManager
+from hybridserve.engine.model_runner import ModelRunner
+from hybridserve.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+from hybridserve.engine.request import Request, RequestStatus
+from hybridserve.engine.scheduler import Scheduler
+
+logger = logging.getLogger("hybridserve.engine")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, hf_dir: Path) -> None:
+        self.runner = ModelRunner(config, hf_dir)
+        self.max_model_len = min(config.max_model_len or self.runner.max_position, self.runner.max_position)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self._pending: list[EngineCoreOutput] = []
+
+    def add_request(self, core: EngineCoreRequest) -> None:
+        error = self._validate(core)
+        if error is not None:
+            self._pending.append(
+                EngineCoreOutput(
+                    core.request_id,
+                    [],
+                    finish_reason=FinishReason.ERROR,
+                    num_prompt_tokens=len(core.prompt_token_ids),
+                    error=error,
+                )
+            )
+            return
+        self.scheduler.add(Request(core, self.max_model_len))
+
+    def _validate(self, core: EngineCoreRequest) -> str | None:
+        n = len(core.prompt_token_ids)
+        if core.request_id in self.scheduler.requests:
+            return f"request id {core.request_id!r} is already in use"
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.max_model_len:
+            return f"prompt of {n} tokens leaves no room to generate within max_model_len={self.max_model_len}"
+        bad = [t for t in core.prompt_token_ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            return f"prompt token id {bad[0]} is outside the vocabulary (size {self.runner.vocab_size})"
+        needed = -(-(n + 1) // self.kv.block_size)
+        if needed > self.kv.pool.num_blocks:
+            return f"prompt of {n} tokens needs {needed} KV blocks but the cache has {self.kv.pool.num_blocks}"
+        return None
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                self.scheduler.finish(req, FinishReason.ABORT)
+                self.runner.release(rid)
+                self._pending.append(self._output(req, []))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    def step(self) -> EngineCoreOutputs:
+        outputs, self._pending = self._pending, []
+        if self.scheduler.has_work():
+            outputs.extend(self._step())
+        return EngineCoreOutputs(outputs, self.scheduler.stats())
+
+    def _step(self) -> list[EngineCoreOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return self._fail_unschedulable()
+        tables = [self.kv.block_ids(s.request.request_id) for s in plan.scheduled]
+        sampled = self.runner.execute(plan, tables)
+        self.scheduler.complete_step(plan)
+        outputs = []
+        for s in plan.scheduled:
+            req = s.request
+            result = sampled.get(req.request_id)
+            if result is None:
+                continue
+            req.output_token_ids.append(result.token_id)
+            req.check_stop()
+            logprobs = [result.logprobs] if result.logprobs is not None else None
+            outputs.append(self._output(req, [result.token_id], logprobs))
+            if req.status is RequestStatus.FINISHED:
+                self.runner.release(req.request_id)
+        self.scheduler.retire_finished()
+        return outputs
+
+    def _fail_unschedulable(self) -> list[EngineCoreOutput]:
+        """Nothing could run: the head of the queue cannot fit even in an empty cache."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        req = self.scheduler.waiting[0]
+        msg = f"request needs {req.num_tokens} tokens of KV cache; the cache holds {self.kv.pool.num_blocks} blocks"
+        logger.error("request %s: %s", req.request_id, msg)
+        return [self._fail(req, msg)]
+
+    def fail_all(self, error: str) -> list[EngineCoreOutput]:
+        """After a failed step: end every request with an error. Blocks of that step were made findable
+        before their KV was written, so the prefix cache is forgotten too."""
+        failed = [self._fail(req, error) for req in list(self.scheduler.requests.values())]
+        self.kv.pool.reset_prefix_cache()
+        return failed
+
+    def _fail(self, req: Request, error: str) -> EngineCoreOutput:
+        self.scheduler.finish(req, FinishReason.ERROR)
+        self.runner.release(req.request_id)
+        return self._output(req, [], error=error)
+
+    @staticmethod
+    def _output(
+        req: Request, new_ids: list[int], logprobs: list | None = None, error: str | None = None
+    ) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_logprobs=logprobs,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_cached_tokens=req.num_cached_tokens,
+            error=error,
+        )
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        running_blocks = set(self.kv.req_blocks)
+        live = {r.request_id for r in self.scheduler.running}
+        if running_blocks != live:
+            raise AssertionError(f"requests holding blocks {sorted(running_blocks)} != running {sorted(live)}")

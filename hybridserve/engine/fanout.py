@@ -1,0 +1,44 @@
+"""A request with n > 1 becomes n engine requests that share the prompt (and so its cached blocks)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from hybridserve.engine.protocol import EngineCoreRequest
+from hybridserve.sampling_params import InvalidParameter, SamplingParams
+
+
+def child_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}-{index}"
+
+
+def expand(
+    request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: list[int], max_model_len: int
+) -> list[EngineCoreRequest]:
+    """One engine request per choice. A seeded request gives choice i the seed seed + i, so the choices
+    differ from each other and each is reproducible."""
+    n_prompt = len(prompt_token_ids)
+    if n_prompt == 0:
+        raise InvalidParameter("prompt", "the prompt is empty")
+    if n_prompt >= max_model_len:
+        raise InvalidParameter(
+            "prompt",
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{n_prompt} tokens, which leaves no room to generate",
+        )
+    if params.max_tokens is not None and n_prompt + params.max_tokens > max_model_len:
+        raise InvalidParameter(
+            "max_tokens",
+            f"this model's maximum context length is {max_model_len} tokens, but {n_prompt} "
+            f"prompt tokens plus max_tokens={params.max_tokens} would need {n_prompt + params.max_tokens}",
+        )
+    now = time.time()
+    children = []
+    for i in range(params.n):
+        seed = None if params.seed is None else params.seed + i
+        child = dataclasses.replace(params, n=1, seed=seed)
+        children.append(
+            EngineCoreRequest(child_id(request_id, i, params.n), prompt_token_ids, child, eos_token_ids, now)
+        )
+    return children

@@ -1,0 +1,160 @@
+"""Loads the model and its paged cache, turns a scheduled step into tensors, runs it, samples."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from hybridserve.config import EngineConfig
+from hybridserve.engine.cache.specs import CacheLayout
+from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
+from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.models.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from hybridserve.models.loader.safetensors import load_state_dict
+from hybridserve.models.registry import model_class
+
+logger = logging.getLogger("hybridserve.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def choose_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def choose_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On CPU it is backed by an anonymous mapping, so pages cost memory only once
+    written: a large KV cache does not take its full size in RAM until the blocks are used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = dtype.itemsize
+    for dim in shape:
+        nbytes *= dim
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_dir: Path) -> None:
+        self.device = choose_device(config.device)
+        self.dtype = choose_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        t0 = time.perf_counter()
+        self.hf_config = AutoConfig.from_pretrained(hf_dir)
+        with torch.device("meta"):
+            model = model_class(self.hf_config)(self.hf_config)
+        state = load_state_dict(hf_dir, self.dtype, self.device)
+        model.load_state_dict(state, strict=False, assign=True)
+        if self.hf_config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        missing = [n for n, p in model.named_parameters() if p.is_meta]
+        if missing:
+            raise ValueError(f"checkpoint {hf_dir} lacks parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        # Non-persistent buffers (rotary tables) were built on meta; rebuild them for real.
+        model.rope = type(model.rope)(self.hf_config, model.rope.cos.shape[-1]).to(self.device, self.dtype)
+        self.model = model.eval()
+        self.vocab_size = self.hf_config.vocab_size
+        self.max_position = self.hf_config.max_position_embeddings
+        logger.info("loaded %s (%s, %s) in %.1fs", hf_dir, self.device, self.dtype, time.perf_counter() - t0)
+
+        self.layout = CacheLayout(model.cache_spec(config.block_size, self.dtype))
+        self.num_blocks = config.num_kv_blocks or self.layout.num_blocks_for(config.kv_cache_memory_bytes)
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is smaller than one KV block "
+                f"({self.layout.bytes_per_block} bytes)"
+            )
+        self.kv_caches = [
+            zeroed((2, self.num_blocks, s.block_size, s.num_kv_heads, s.head_dim), s.dtype, self.device)
+            for s in self.layout.layer_specs
+        ]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.layout.bytes_per_block / 1024**3,
+        )
+        self.sampler = Sampler(self.vocab_size)
+        self.sampling_states: dict[str, SamplingState] = {}
+
+    def release(self, request_id: str) -> None:
+        self.sampling_states.pop(request_id, None)
+
+    def _metadata(self, out: SchedulerOutput, block_tables: list[list[int]]) -> AttentionMetadata:
+        bs, dev = self.block_size, self.device
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        offset = 0
+        for s, table in zip(out.scheduled, block_tables, strict=True):
+            start, n = s.request.num_computed_tokens, s.num_new_tokens
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                decode_rows.append(offset)
+                decode_tables.append(table[: -(-(start + 1) // bs)])
+                decode_lens.append(start + 1)
+            elif start == 0:
+                prefills.append(PrefillChunk(offset, offset + n, 0, None, None))
+            else:
+                length = start + n
+                used = table[: -(-length // bs)]
+                q_pos = torch.arange(start, length, device=dev).unsqueeze(1)
+                mask = torch.arange(length, device=dev).unsqueeze(0) <= q_pos
+                prefills.append(
+                    PrefillChunk(offset, offset + n, start, torch.tensor(used, device=dev), mask.view(1, 1, n, length))
+                )
+            offset += n
+        decode = None
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
+            lens = torch.tensor(decode_lens, device=dev).unsqueeze(1)
+            mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < lens).view(len(decode_rows), 1, 1, -1)
+            decode = DecodeGroup(torch.tensor(decode_rows, device=dev), tables, mask)
+        return AttentionMetadata(torch.tensor(slots, device=dev), decode, prefills)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> dict[str, SampleResult]:
+        """Run one step; returns the sampled token of every request whose last known token was computed."""
+        ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        states: list[SamplingState] = []
+        for s in out.scheduled:
+            req = s.request
+            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            ids.extend(req.token_ids_range(start, end))
+            positions.extend(range(start, end))
+            if s.samples:
+                sample_rows.append(len(ids) - 1)
+                state = self.sampling_states.get(req.request_id)
+                if state is None:
+                    state = SamplingState.create(
+                        req.params, req.prompt_token_ids, req.output_token_ids, req.eos_token_ids, self.device
+                    )
+                    self.sampling_states[req.request_id] = state
+                states.append(state)
+        meta = self._metadata(out, block_tables)
+        hidden = self.model(
+            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.kv_caches, meta
+        )
+        if not sample_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        results = self.sampler(logits, states)
+        sampling = [s.request.request_id for s in out.scheduled if s.samples]
+        return dict(zip(sampling, results, strict=True))

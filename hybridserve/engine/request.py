@@ -1,0 +1,84 @@
+"""An engine request and its explicit state machine."""
+
+from __future__ import annotations
+
+import enum
+
+from hybridserve.engine.protocol import EngineCoreRequest, FinishReason
+from hybridserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()  # queued, holds no blocks
+    RUNNING = enum.auto()  # scheduled; holds blocks
+    PREEMPTED = enum.auto()  # blocks taken back; waits to be recomputed from scratch
+    FINISHED = enum.auto()
+
+
+# Legal transitions; anything else is a scheduler bug and raises.
+_TRANSITIONS = {
+    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED},
+    RequestStatus.RUNNING: {RequestStatus.PREEMPTED, RequestStatus.FINISHED},
+    RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED},
+    RequestStatus.FINISHED: set(),
+}
+
+
+class Request:
+    def __init__(self, core: EngineCoreRequest, max_model_len: int) -> None:
+        self.request_id = core.request_id
+        self.prompt_token_ids = core.prompt_token_ids
+        self.params: SamplingParams = core.sampling_params
+        self.eos_token_ids = [] if self.params.ignore_eos else list(core.eos_token_ids)
+        self.arrival_time = core.arrival_time
+        self.output_token_ids: list[int] = []
+        # Tokens whose KV is in the cache (prompt and output alike).
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first scheduling
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | None = None
+        budget = max_model_len - len(self.prompt_token_ids)
+        self.max_output_tokens = min(self.params.max_tokens or budget, budget)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_range(self, start: int, end: int) -> list[int]:
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
+    def move_to(self, status: RequestStatus) -> None:
+        if status not in _TRANSITIONS[self.status]:
+            raise RuntimeError(f"request {self.request_id}: illegal transition {self.status.name} -> {status.name}")
+        self.status = status
+
+    def finish(self, reason: FinishReason, stop_reason: int | None = None) -> None:
+        self.move_to(RequestStatus.FINISHED)
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def check_stop(self) -> bool:
+        """After a token was appended: finish the request if it hit a stop condition."""
+        last = self.output_token_ids[-1]
+        n_out = len(self.output_token_ids)
+        if n_out >= self.params.min_tokens:
+            if last in self.params.stop_token_ids:
+                self.finish(FinishReason.STOP, last)
+                return True
+            if last in self.eos_token_ids:
+                self.finish(FinishReason.STOP)
+                return True
+        if n_out >= self.max_output_tokens:
+            self.finish(FinishReason.LENGTH)
+            return True
+        return False

@@ -1,0 +1,93 @@
+"""Paged attention over a flat batch of tokens from many requests.
+
+Each step's batch is the concatenation of every scheduled request's new tokens. KV for all of them is
+written into the paged cache first; then each request's queries attend to its cached keys. Requests
+with one new token (decodes) are attended to together in one batched call; a multi-token chunk
+(prefill) gets its own call, attending straight to its fresh keys when it has no cached context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodeGroup:
+    token_index: torch.Tensor  # [B] positions of these requests' tokens in the flat batch
+    block_tables: torch.Tensor  # [B, max_blocks]
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size], True where a key is visible
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # slice of the flat batch
+    end: int
+    context_len: int  # tokens of this request already in the cache before the chunk
+    block_table: torch.Tensor | None  # [num_blocks], only when context_len > 0
+    mask: torch.Tensor | None  # [1, 1, q, context_len + q], only when context_len > 0
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner, shared by every attention layer."""
+
+    slot_mapping: torch.Tensor  # [T] cache slot (block_id * block_size + offset) of each token
+    decode: DecodeGroup | None
+    prefills: list[PrefillChunk]
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]."""
+    flat = cache.view(2, -1, cache.shape[-2], cache.shape[-1])
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values for rows of block tables: [B, kv_heads, max_blocks * block_size, head_dim]."""
+    b, n = block_tables.shape
+    kv = cache[:, block_tables]  # [2, B, n, block_size, H, D]
+    kv = kv.view(2, b, n * cache.shape[2], cache.shape[3], cache.shape[4]).transpose(2, 3)
+    return kv[0], kv[1]
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """GQA without repeating K/V: the query heads sharing a KV head become extra query rows.
+
+    q: [B, Hq, Q, D]; k, v: [B, Hkv, L, D]; mask: [B, 1, Q, L]. Returns [B, Hq, Q, D].
+    """
+    b, hq, nq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    qg = q.reshape(b, hkv, group * nq, d)
+    mask = mask.repeat(1, 1, group, 1) if nq > 1 else mask
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.view(b, hq, nq, d)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the step's new tokens. Returns [T, Hq, D]."""
+    write_kv(cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    if meta.decode is not None:
+        d = meta.decode
+        kc, vc = _gather(cache, d.block_tables)
+        qd = q.index_select(0, d.token_index).unsqueeze(2)  # [B, Hq, 1, D]
+        out.index_copy_(0, d.token_index, _grouped(qd, kc, vc, d.mask, scale).squeeze(2))
+    for p in meta.prefills:
+        qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if p.block_table is None:
+            kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            kc, vc = _gather(cache, p.block_table.unsqueeze(0))
+            length = p.mask.shape[-1]
+            o = _grouped(qp, kc[:, :, :length], vc[:, :, :length], p.mask, scale)
+        out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
+    return out

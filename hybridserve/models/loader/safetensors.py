@@ -1,0 +1,47 @@
+"""Read a Hugging Face model directory: config.json and its (possibly sharded) safetensors weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_config(hf_dir: Path) -> dict[str, Any]:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model directory {hf_dir} has no config.json")
+    return json.loads(path.read_text())
+
+
+def weight_files(hf_dir: Path) -> list[Path]:
+    index = hf_dir / INDEX_FILE
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [hf_dir / shard for shard in shards]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names shards that do not exist: {missing}")
+        return files
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {hf_dir} has no *.safetensors files")
+    return files
+
+
+def load_state_dict(hf_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory on `device`; floating-point tensors are cast to `dtype`."""
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(Path(hf_dir)):
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                if name in state:
+                    raise ValueError(f"tensor {name!r} appears in more than one shard of {hf_dir} (again in {file})")
+                tensor = f.get_tensor(name)
+                state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return state

@@ -1,0 +1,74 @@
+"""Per-request sampling parameters: one frozen, validated value shared by the frontend and the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Numbers below this are treated as zero temperature (greedy), as vLLM does.
+GREEDY_EPSILON = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # None: off; k >= 0: sampled token plus k alternatives
+    max_tokens: int | None = None  # None: up to the context limit
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.n >= 1, "n", self.n, "must be at least 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be non-negative")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= -1, "top_k", self.top_k, "must be -1 (disabled) or non-negative")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be positive")
+        for token_id, bias in self.logit_bias.items():
+            _check(-100.0 <= bias <= 100.0, "logit_bias", bias, f"(token {token_id}) must be in [-100, 100]")
+        if self.logprobs is not None:
+            _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be at least 1")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be non-negative")
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                self.min_tokens,
+                f"must not exceed max_tokens ({self.max_tokens})",
+            )
+        for s in self.stop:
+            _check(len(s) > 0, "stop", s, "must not contain empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+
+class InvalidParameter(ValueError):
+    """A request parameter outside its allowed range; `param` names it for the API error body."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _check(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise InvalidParameter(name, f"{name} {rule}, got {value!r}")

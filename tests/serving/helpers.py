@@ -1,0 +1,63 @@
+"""Shared test helpers: scripted tokens, SSE parsing, error bodies, and a raw ASGI driver."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+# "The capital of France is Paris." then EOS (id 2, which decodes to "" with skip_special_tokens).
+PARIS = [504, 3575, 282, 4649, 314, 7042, 30, 2]
+PARIS_PIECES = ["The", " capital", " of", " France", " is", " Paris", "."]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def chat_prompt(tokenizer, messages=QUESTION) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def sse_payloads(text: str) -> list:
+    """The `data:` payloads of an SSE body, JSON-decoded except the final "[DONE]"."""
+    assert text.endswith("\n\n"), text[-50:]
+    events = text.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in events]
+
+
+def error_body(message: str, type: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+async def call_until_disconnect(app, path: str, body: dict, disconnect_after: asyncio.Event) -> list[dict]:
+    """Sends one POST straight to the ASGI app; the client disconnects once `disconnect_after` is set.
+
+    Returns the ASGI messages the app sent.
+    """
+    sent: list[dict] = []
+    pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive() -> dict:
+        if pending:
+            return pending.pop()
+        await disconnect_after.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    return sent

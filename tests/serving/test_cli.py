@@ -1,0 +1,127 @@
+import dataclasses
+import sys
+import types
+
+import pytest
+
+from hybridserve.config import EngineConfig
+from hybridserve.serving import cli
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("2GiB", 2 * 1024**3),
+        ("512MiB", 512 * 1024**2),
+        ("1073741824", 1073741824),
+        ("1.5G", 3 * 1024**3 // 2),
+        ("2GB", 2 * 10**9),
+        ("64kib", 65536),
+        ("7", 7),
+    ],
+)
+def test_parse_bytes(text, value):
+    assert cli.parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "2 parsecs", "-1", "1e9"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(Exception, match="expected a size"):
+        cli.parse_bytes(text)
+
+
+def serve_parser():
+    parser = cli.build_parser()
+    return parser, parser._subparsers._group_actions[0].choices["serve"]
+
+
+def test_defaults_come_from_engine_config_and_every_flag_has_help():
+    parser, serve = serve_parser()
+    args = parser.parse_args(["serve"])
+    assert cli.engine_config(args) == EngineConfig()
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
+    for action in serve._actions:
+        assert action.help, action.dest
+
+
+def test_flags_map_to_engine_config():
+    args = cli.build_parser().parse_args(
+        [
+            "serve",
+            "model.gguf",
+            "--dtype",
+            "float16",
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "4096",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "512",
+            "--block-size",
+            "32",
+            "--kv-cache-memory-bytes",
+            "512MiB",
+            "--num-kv-blocks",
+            "100",
+            "--served-model-name",
+            "m",
+            "--no-enable-prefix-caching",
+            "--seed",
+            "3",
+            "--long-prefill-token-threshold",
+            "64",
+        ]
+    )
+    assert cli.engine_config(args) == EngineConfig(
+        model="model.gguf",
+        served_model_name="m",
+        dtype="float16",
+        device="cpu",
+        max_model_len=4096,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        block_size=32,
+        kv_cache_memory_bytes=512 * 1024**2,
+        num_kv_blocks=100,
+        enable_prefix_caching=False,
+        long_prefill_token_threshold=64,
+        seed=3,
+    )
+
+
+def test_invalid_config_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--block-size", "0"])
+    assert exit_info.value.code == 2
+    assert "--block-size: block_size must be positive, got 0" in capsys.readouterr().err
+
+
+def test_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tokenizer):
+    from .fake_engine import FakeEngine
+    from .helpers import PARIS
+
+    seen = {}
+    engine = FakeEngine(tokenizer, [PARIS])
+    engine.shutdown = lambda: seen.setdefault("shutdown", True)
+
+    class AsyncLLM:
+        @classmethod
+        def from_config(cls, config):
+            seen["config"] = config
+            return engine
+
+    def run(server):
+        seen["server"] = (server.config.host, server.config.port, server.model_name)
+
+    module = types.ModuleType("hybridserve.engine.async_llm")
+    module.AsyncLLM = AsyncLLM
+    monkeypatch.setitem(sys.modules, "hybridserve.engine.async_llm", module)
+    monkeypatch.setattr(cli.ReadyServer, "run", run)
+    cli.main(["serve", "--port", "9123", "--api-key", "k", "--max-num-seqs", "4"])
+    assert seen == {
+        "config": dataclasses.replace(EngineConfig(), max_num_seqs=4),
+        "server": ("127.0.0.1", 9123, "smollm2"),
+        "shutdown": True,
+    }
