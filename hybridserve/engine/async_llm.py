@@ -104,7 +104,7 @@ class AsyncLLM:
             self._queues[rid] = queue
         try:
             for child in children:
-                await self.client.add_request(child)
+                self.client.add_request(child)
             remaining = len(seqs)
             while remaining:
                 out = await queue.get()
@@ -113,7 +113,7 @@ class AsyncLLM:
                     continue
                 update = seq.update(out)
                 if seq.stopped_by_string:
-                    await self.client.abort([out.request_id])
+                    self.client.abort([out.request_id])
                 if seq.finished:
                     remaining -= 1
                 if update is not None:
@@ -123,13 +123,13 @@ class AsyncLLM:
             for rid in seqs:
                 self._queues.pop(rid, None)
             if unfinished:
-                await self.client.abort(unfinished)
+                self.client.abort(unfinished)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request by the id given to generate (all of its choices)."""
         ids = [rid for rid in self._queues if rid == request_id or rid.startswith(f"{request_id}-")]
         if ids:
-            await self.client.abort(ids)
+            self.client.abort(ids)
 
     def shutdown(self) -> None:
         if self._reader is not None:

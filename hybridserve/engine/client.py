@@ -83,9 +83,12 @@ class ProcessEngineClient:
     def __init__(self, config: EngineConfig, hf_dir: Path) -> None:
         base = Path(tempfile.gettempdir()) / f"hybridserve-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._in_addr, self._out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
-        self._ctx = zmq.asyncio.Context()
-        self._to_engine = self._ctx.socket(zmq.PUSH)
+        # Sends are synchronous (a PUSH below its high-water mark never blocks), so an abort issued while
+        # a caller is being cancelled cannot itself be cancelled; receiving is asyncio.
+        self._sync_ctx = zmq.Context()
+        self._to_engine = self._sync_ctx.socket(zmq.PUSH)
         self._to_engine.bind(self._in_addr)
+        self._ctx = zmq.asyncio.Context()
         self._from_engine = self._ctx.socket(zmq.PULL)
         self._from_engine.bind(self._out_addr)
         self._encode = msgspec.msgpack.Encoder().encode
@@ -114,11 +117,11 @@ class ProcessEngineClient:
                 raise RuntimeError(f"engine worker exited during start-up (exit code {self.process.exitcode})")
         raise RuntimeError(f"engine worker did not start within {STARTUP_TIMEOUT_S:.0f}s")
 
-    async def add_request(self, request: EngineCoreRequest) -> None:
-        await self._to_engine.send(self._encode(AddRequest(request)))
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._to_engine.send(self._encode(AddRequest(request)))
 
-    async def abort(self, request_ids: list[str]) -> None:
-        await self._to_engine.send(self._encode(AbortRequests(request_ids)))
+    def abort(self, request_ids: list[str]) -> None:
+        self._to_engine.send(self._encode(AbortRequests(request_ids)))
 
     async def get_outputs(self) -> EngineCoreOutputs:
         msg = self._decode(await self._from_engine.recv())
@@ -133,10 +136,11 @@ class ProcessEngineClient:
 
     def shutdown(self) -> None:
         if self.process.is_alive():
-            zmq.Socket.shadow(self._to_engine.underlying).send(self._encode(Shutdown()))
+            self._to_engine.send(self._encode(Shutdown()))
             self.process.join(timeout=5)
             if self.process.is_alive():
                 self.process.kill()
         self._ctx.destroy(linger=0)
+        self._sync_ctx.destroy(linger=0)
         for addr in (self._in_addr, self._out_addr):
             Path(addr.removeprefix("ipc://")).unlink(missing_ok=True)

@@ -63,22 +63,22 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, array_like=True, tag=True):
     stats: SchedulerStats | None = None
 
 
-class AbortRequests(msgspec.Struct, frozen=True, tag=True):
+class AbortRequests(msgspec.Struct, frozen=True, array_like=True, tag=True):
     request_ids: list[str]
 
 
-class AddRequest(msgspec.Struct, frozen=True, tag=True):
+class AddRequest(msgspec.Struct, frozen=True, array_like=True, tag=True):
     request: EngineCoreRequest
 
 
-class Shutdown(msgspec.Struct, frozen=True, tag=True):
+class Shutdown(msgspec.Struct, frozen=True, array_like=True, tag=True):
     pass
 
 
 EngineInput = AddRequest | AbortRequests | Shutdown
 
 
-class EngineReady(msgspec.Struct, frozen=True, tag=True):
+class EngineReady(msgspec.Struct, frozen=True, array_like=True, tag=True):
     """First message from a worker process once the model and cache are loaded."""
 
     max_model_len: int
@@ -87,7 +87,7 @@ class EngineReady(msgspec.Struct, frozen=True, tag=True):
     block_size: int
 
 
-class EngineFailed(msgspec.Struct, frozen=True, tag=True):
+class EngineFailed(msgspec.Struct, frozen=True, array_like=True, tag=True):
     """The worker process cannot go on (start-up failed or the busy loop died)."""
 
     error: str

@@ -270,3 +270,15 @@ def test_integrity_catches_references_no_request_holds() -> None:
     kv.pool.touch(kv.req_blocks["a"][:1])  # a reference nobody will give back
     with pytest.raises(AssertionError, match="requests hold 2 block references but ref counts sum to 3"):
         kv.check_integrity()
+
+
+def test_a_partial_first_chunk_caches_no_block_it_has_not_filled() -> None:
+    """Regression: the prefix lookup memoises hashes of the whole prompt; allocating a first chunk
+    shorter than a block must not make the prompt's first block findable before it is computed."""
+    kv = KVCacheManager(16, BS, enable_prefix_caching=True)
+    first = make("a", P)
+    admit(kv, first, num_new=2)
+    second = make("b", P)
+    assert kv.find_cached_prefix(second) == []
+    admit(kv, first.__class__(EngineCoreRequest("c", P[:3], SamplingParams(), [0], 0.0), 1024))
+    assert kv.find_cached_prefix(second) == []

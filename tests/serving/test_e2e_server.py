@@ -81,7 +81,8 @@ def client(server):
 
 
 def chat(client, **kwargs):
-    return client.chat.completions.create(model="smollm2", messages=kwargs.pop("messages", QUESTION), **kwargs)
+    kwargs.setdefault("model", "smollm2")
+    return client.chat.completions.create(messages=kwargs.pop("messages", QUESTION), **kwargs)
 
 
 def metric(url: str, name: str) -> float:

@@ -31,7 +31,7 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= num_tokens:
             start = len(hashes) * bs
             hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, request.token_ids_range(start, start + bs)))
-        return hashes
+        return hashes[: num_tokens // bs]
 
     def find_cached_prefix(self, request: Request) -> list[Block]:
         """Blocks already holding a prefix of the request. The last token is always recomputed (its

@@ -1,0 +1,118 @@
+"""The HTTP frontend: `build_app(engine, api_key)` wires the OpenAI endpoints, health, version, metrics."""
+
+from __future__ import annotations
+
+import hmac
+import importlib.metadata
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from hybridserve.serving.metrics import ServingMetrics
+from hybridserve.serving.openai.chat import ChatService
+from hybridserve.serving.openai.completions import CompletionService
+from hybridserve.serving.openai.errors import (
+    SERVER_ERROR,
+    APIError,
+    install_error_handlers,
+    json_response,
+    validation_error,
+)
+from hybridserve.serving.openai.models import ModelsService
+from hybridserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("hybridserve")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown"
+
+
+def build_app(engine, api_key: str | None) -> FastAPI:
+    """An app serving `engine` (an AsyncLLM); with `api_key`, every /v1 route requires that Bearer token."""
+    metrics = ServingMetrics(engine.model_name, engine.stats)
+    chat = ChatService(engine, metrics)
+    completions = CompletionService(engine, metrics)
+    models = ModelsService(engine)
+
+    app = FastAPI(title="hybridserve", version=version())
+    app.state.engine = engine
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await engine.check_health()
+        except Exception as exc:
+            raise APIError(
+                503, f"The engine is not healthy: {exc}", type=SERVER_ERROR, code="engine_unhealthy"
+            ) from exc
+        return json_response({"status": "ok"})
+
+    @app.get("/version")
+    async def get_version() -> Response:
+        return json_response({"version": version()})
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return json_response(models.list())
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> Response:
+        return json_response(models.retrieve(model))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        return await chat.create(await parse_body(request, ChatCompletionRequest), request)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        return await completions.create(await parse_body(request, CompletionRequest), request)
+
+    return app
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors())) from None
+
+
+class APIKeyMiddleware:
+    """Rejects /v1 requests without `Authorization: Bearer <api_key>`; health and metrics stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization")
+            if given is None:
+                error = APIError(
+                    401, "Missing API key: send it as 'Authorization: Bearer <key>'.", code="invalid_api_key"
+                )
+            elif not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+            else:
+                error = None
+            if error is not None:
+                await error.response({"www-authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,187 @@
+"""`hybridserve serve [MODEL]`: one HTTP frontend plus one local engine process."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import re
+import sys
+
+import uvicorn
+
+from hybridserve.config import DTYPES, EngineConfig
+from hybridserve.sampling_params import InvalidParameter
+
+logger = logging.getLogger("hybridserve.serve")
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' / '512MiB' / '1.5G' / '2GB' (decimal) / '1073741824' → bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MiB or 1073741824, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridserve", description="Serve LLMs behind the OpenAI API.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve", help="serve one model over HTTP", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="GGUF file or Hugging Face directory; None: the embedded SmolLM2-135M",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key as 'Authorization: Bearer <key>' on /v1 routes; None: no key",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients send and see; None: smollm2, or the model path's stem",
+    )
+    serve.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=_DEFAULTS["dtype"],
+        help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+    serve.add_argument("--device", default=_DEFAULTS["device"], help="cuda, cpu, or auto")
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        default=_DEFAULTS["max_model_len"],
+        help="context length limit (prompt + completion); None: the model's",
+    )
+    serve.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=_DEFAULTS["max_num_seqs"],
+        help="most sequences in one engine step",
+    )
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=_DEFAULTS["max_num_batched_tokens"],
+        help="token budget of one engine step",
+    )
+    serve.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=_DEFAULTS["long_prefill_token_threshold"],
+        help="if >0, a prefill chunk takes at most this many tokens per step",
+    )
+    serve.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"], help="tokens per KV-cache block")
+    serve.add_argument(
+        "--kv-cache-memory-bytes",
+        type=parse_bytes,
+        default=_DEFAULTS["kv_cache_memory_bytes"],
+        help="memory for the KV cache: bytes, or with a unit such as 2GiB or 512MiB",
+    )
+    serve.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=_DEFAULTS["num_kv_blocks"],
+        help="number of KV-cache blocks (overrides --kv-cache-memory-bytes)",
+    )
+    serve.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS["enable_prefix_caching"],
+        help="reuse KV blocks of earlier prompts with the same prefix",
+    )
+    serve.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine random seed")
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logging level for hybridserve and uvicorn",
+    )
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        seed=args.seed,
+    )
+
+
+class ReadyServer(uvicorn.Server):
+    """Logs one ready line with the bound URL once the socket listens."""
+
+    def __init__(self, config: uvicorn.Config, model_name: str) -> None:
+        super().__init__(config)
+        self.model_name = model_name
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            logger.info("hybridserve ready: serving %s at http://%s:%d/v1", self.model_name, host, port)
+
+
+def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    try:
+        config = engine_config(args)
+    except InvalidParameter as exc:
+        parser.error(f"--{exc.param.replace('_', '-')}: {exc}")
+    from hybridserve.engine.async_llm import AsyncLLM  # heavy (torch): imported only to serve
+    from hybridserve.serving.app import build_app
+
+    engine = AsyncLLM.from_config(config)
+    try:
+        app = build_app(engine, args.api_key)
+        server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+        ReadyServer(server_config, engine.model_name).run()
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        serve(args, parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

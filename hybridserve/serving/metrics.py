@@ -1,0 +1,106 @@
+"""Prometheus metrics for one app: request outcomes, tokens, latencies, and engine scheduler state.
+
+Each app owns its CollectorRegistry (no process globals), so several apps can live in one process.
+Names follow vLLM's (`vllm:` → `hybridserve:`); engine state is read from `engine.stats()` at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from hybridserve.engine.protocol import SchedulerStats
+
+OUTCOMES = ("stop", "length", "abort", "error")
+
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 10.0, 20.0, 80.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+# fmt: on
+
+
+class ServingMetrics:
+    """The frontend's instruments, bound to one model name; `render()` is the /metrics body."""
+
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        names = list(labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=self.registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**labels)
+
+        outcomes = Counter(
+            "hybridserve:request_outcome",
+            "Finished sequences (one per choice) by outcome: stop, length, abort, error.",
+            [*names, "outcome"],
+            registry=self.registry,
+        )
+        self.outcomes = {o: outcomes.labels(**labels, outcome=o) for o in OUTCOMES}
+        self.prompt_tokens = counter("hybridserve:prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("hybridserve:generation_tokens", "Generated tokens.")
+        self.ttft = histogram(
+            "hybridserve:time_to_first_token_seconds",
+            "Time from request arrival to its first generated token.",
+            TTFT_BUCKETS,
+        )
+        self.itl = histogram(
+            "hybridserve:inter_token_latency_seconds",
+            "Time between successive token updates of one sequence.",
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "hybridserve:e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            E2E_BUCKETS,
+        )
+        self.registry.register(_EngineStatsCollector(stats, labels))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _hit_rate(s: SchedulerStats) -> float:
+    return s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+
+
+# fmt: off
+_ENGINE_METRICS = (
+    (GaugeMetricFamily, "num_requests_running", "Requests in the engine's running batch.",
+     lambda s: s.num_running),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests queued in the engine.", lambda s: s.num_waiting),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
+     lambda s: s.kv_cache_usage),
+    (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     lambda s: s.prefix_cache_queries),
+    (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+     lambda s: s.prefix_cache_hits),
+    (GaugeMetricFamily, "prefix_cache_hit_rate", "Prefix-cache hits over queries since start.", _hit_rate),
+    (CounterMetricFamily, "num_preemptions", "Requests preempted by the scheduler.",
+     lambda s: s.num_preemptions),
+)
+# fmt: on
+
+
+class _EngineStatsCollector:
+    """Reads the engine's latest scheduler stats when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], SchedulerStats], labels: dict[str, str]) -> None:
+        self.stats = stats
+        self.names, self.values = list(labels), list(labels.values())
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        for kind, name, doc, value in _ENGINE_METRICS:
+            metric = kind(f"hybridserve:{name}", doc, labels=self.names)
+            metric.add_metric(self.values, value(s))
+            yield metric

@@ -1,0 +1,120 @@
+"""POST /v1/chat/completions: render messages with the chat template, generate, answer or stream."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import jinja2
+from starlette.requests import Request
+from starlette.responses import Response
+
+from hybridserve.engine.outputs import Logprob
+from hybridserve.serving.metrics import ServingMetrics
+from hybridserve.serving.openai.errors import APIError, json_response
+from hybridserve.serving.openai.generation import GenerationRun, fit_to_context
+from hybridserve.serving.openai.models import check_model
+from hybridserve.serving.openai.protocol import ChatCompletionRequest
+from hybridserve.serving.openai.sse import SSE_DONE, EventStreamResponse, cancel_on_disconnect, sse_event
+
+
+class ChatService:
+    def __init__(self, engine, metrics: ServingMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = len(engine.tokenizer)
+
+    def render(self, req: ChatCompletionRequest) -> list[int]:
+        messages = req.template_messages()
+        kwargs = {"add_generation_prompt": True, **(req.chat_template_kwargs or {}), "tokenize": False}
+        try:
+            text = self.tokenizer.apply_chat_template(messages, **kwargs)
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:
+            raise APIError(400, f"The chat template could not render these messages: {exc}", param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        check_model(self.engine, req.model)
+        req.check_stream_options()
+        max_param = req.max_tokens_param
+        renames = {"max_tokens": max_param, "logprobs": "top_logprobs"}
+        params = req.sampling_params(req.num_logprobs(), req.requested_max_tokens, renames, self.vocab_size)
+        prompt = self.render(req)
+        params = fit_to_context(
+            params,
+            len(prompt),
+            self.engine.max_model_len,
+            what="messages",
+            max_tokens_param=max_param,
+            renames=renames,
+        )
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        run = GenerationRun(self.engine, self.metrics, request_id, [prompt], [params], arrival)
+        head = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.engine.model_name,
+        }
+        if req.stream:
+            return EventStreamResponse(_stream(run, head, req.include_usage, params.logprobs is not None))
+        return await cancel_on_disconnect(request, _complete(run, head, params.logprobs is not None))
+
+
+def logprobs_content(logprobs: list[Logprob]) -> list[dict]:
+    return [
+        {
+            "token": lp.token,
+            "logprob": max(lp.logprob, -9999.0),
+            "bytes": lp.bytes,
+            "top_logprobs": [{"token": t.token, "logprob": max(t.logprob, -9999.0), "bytes": t.bytes} for t in lp.top],
+        }
+        for lp in logprobs
+    ]
+
+
+async def _complete(run: GenerationRun, head: dict, want_logprobs: bool) -> Response:
+    choices = [
+        {
+            "index": index,
+            "message": {"role": "assistant", "content": out.text, "refusal": None},
+            "logprobs": {"content": logprobs_content(logprobs), "refusal": None} if want_logprobs else None,
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+        }
+        for index, (out, logprobs) in enumerate(await run.collect(want_logprobs))
+    ]
+    return json_response({**head, "object": "chat.completion", "choices": choices, "usage": run.usage()})
+
+
+async def _stream(run: GenerationRun, head: dict, include_usage: bool, want_logprobs: bool) -> AsyncIterator[bytes]:
+    if include_usage:
+        head = {**head, "usage": None}
+
+    def chunk(
+        index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None, **extra
+    ) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return sse_event({**head, "choices": [{**choice, **extra}]})
+
+    for index in range(run.num_choices):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    try:
+        async for index, out, finished in run.outputs():
+            if out.delta_text or out.delta_logprobs:
+                logprobs = None
+                if want_logprobs and out.delta_logprobs:
+                    logprobs = {"content": logprobs_content(out.delta_logprobs), "refusal": None}
+                yield chunk(index, {"content": out.delta_text}, logprobs)
+            if finished:
+                yield chunk(index, {}, None, out.finish_reason, stop_reason=out.stop_reason)
+    except APIError as exc:
+        yield sse_event(exc.body())
+        yield SSE_DONE
+        return
+    if include_usage:
+        yield sse_event({**head, "choices": [], "usage": run.usage()})
+    yield SSE_DONE

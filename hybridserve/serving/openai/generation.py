@@ -1,0 +1,210 @@
+"""One API request's engine work: an engine request per prompt, their merged outputs, usage and metrics.
+
+Shared by the chat and completions endpoints. Engine failures surface as APIError (a 400 for input
+the engine rejects, a 500 for an engine error or an abort the client did not cause), so both
+endpoints report them in the same shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from hybridserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from hybridserve.sampling_params import InvalidParameter, SamplingParams
+from hybridserve.serving.metrics import ServingMetrics
+from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, invalid_parameter
+from hybridserve.serving.openai.sse import aclose
+
+logger = logging.getLogger(__name__)
+
+
+def fit_to_context(
+    params: SamplingParams,
+    prompt_len: int,
+    max_model_len: int,
+    *,
+    what: str,
+    max_tokens_param: str,
+    renames: dict[str, str] | None = None,
+) -> SamplingParams:
+    """`params` with a completion budget that fits: max_tokens as asked, or all the room the prompt leaves."""
+    limit = f"This model's maximum context length is {max_model_len} tokens."
+    requested = params.max_tokens
+    if requested is not None:
+        if prompt_len + requested > max_model_len:
+            raise APIError(
+                400,
+                f"{limit} However, you requested {prompt_len + requested} tokens ({prompt_len} in the "
+                f"{what}, {requested} in the completion). Please reduce the length of the {what} or "
+                "completion.",
+                param=what if prompt_len >= max_model_len else max_tokens_param,
+                code="context_length_exceeded",
+            )
+        return params
+    if prompt_len >= max_model_len:
+        raise APIError(
+            400,
+            f"{limit} However, your {what} resulted in {prompt_len} tokens, which leaves no room for the "
+            f"completion. Please reduce the length of the {what}.",
+            param=what,
+            code="context_length_exceeded",
+        )
+    try:
+        return dataclasses.replace(params, max_tokens=max_model_len - prompt_len)
+    except InvalidParameter as exc:  # e.g. min_tokens above the room left
+        raise invalid_parameter(exc, renames) from None
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class GenerationRun:
+    """Runs `prompts` (each with its SamplingParams) and yields `(choice_index, output, finished)`.
+
+    Choice `k * n + i` is sequence i of prompt k. Closing or cancelling `outputs()` aborts every
+    engine request still running.
+    """
+
+    def __init__(
+        self,
+        engine,
+        metrics: ServingMetrics,
+        request_id: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        arrival: float,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.n = params[0].n
+        self.num_choices = len(prompts) * self.n
+        self.arrival = arrival
+        self.output_tokens = [0] * self.num_choices
+        self.cached_tokens = [0] * len(prompts)
+
+    def usage(self) -> dict:
+        return usage_body(sum(map(len, self.prompts)), sum(self.output_tokens), sum(self.cached_tokens))
+
+    async def collect(self, want_logprobs: bool) -> list[tuple[CompletionOutput, list[Logprob]]]:
+        """Runs to the end: each choice's final output and, if wanted, all its logprobs."""
+        final: list[CompletionOutput | None] = [None] * self.num_choices
+        logprobs: list[list[Logprob]] = [[] for _ in range(self.num_choices)]
+        async for index, out, _ in self.outputs():
+            final[index] = out
+            if want_logprobs and out.delta_logprobs:
+                logprobs[index].extend(out.delta_logprobs)
+        if any(out is None or out.finish_reason is None for out in final):
+            raise APIError(500, "The engine ended the request before every choice finished.", type=SERVER_ERROR)
+        return list(zip(final, logprobs, strict=True))
+
+    def _engine_request_id(self, k: int) -> str:
+        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{k}"
+
+    async def outputs(self) -> AsyncIterator[tuple[int, CompletionOutput, bool]]:
+        m, n = self.metrics, self.n
+        streams = [
+            self.engine.generate(p, sp, self._engine_request_id(k))
+            for k, (p, sp) in enumerate(zip(self.prompts, self.params, strict=True))
+        ]
+        merged = _merge(streams)
+        admitted = [False] * len(self.prompts)
+        unfinished = [n] * len(self.prompts)
+        finished = [False] * self.num_choices
+        last_token_at = [0.0] * self.num_choices
+        outcome: str | None = "abort"  # what unfinished sequences count as if we leave early
+        try:
+            async for k, ro in merged:
+                now = time.monotonic()
+                out = ro.output
+                index = k * n + out.index
+                if not admitted[k]:
+                    admitted[k] = True
+                    m.prompt_tokens.inc(len(self.prompts[k]))
+                    m.ttft.observe(now - self.arrival)
+                if out.delta_token_ids:
+                    m.generation_tokens.inc(len(out.delta_token_ids))
+                    if last_token_at[index]:
+                        m.itl.observe(now - last_token_at[index])
+                    last_token_at[index] = now
+                self.output_tokens[index] = out.num_output_tokens
+                if ro.num_cached_tokens > self.cached_tokens[k]:
+                    self.cached_tokens[k] = ro.num_cached_tokens
+                if out.finish_reason in ("error", "abort"):
+                    raise _engine_failure(out)
+                if ro.finished:
+                    finished[index] = True
+                    m.outcomes[out.finish_reason].inc()
+                    unfinished[k] -= 1
+                    if not unfinished[k]:
+                        m.e2e.observe(now - self.arrival)
+                yield index, out, ro.finished
+        except APIError:
+            outcome = "error"
+            raise
+        except ValueError as exc:  # the engine rejected the input before doing any work
+            outcome = None
+            raise APIError(400, str(exc), param=getattr(exc, "param", None)) from None
+        except Exception as exc:
+            outcome = "error"
+            logger.exception("request %s failed in the engine", self.request_id)
+            raise APIError(500, f"The engine failed to serve the request: {exc}", type=SERVER_ERROR) from exc
+        finally:
+            await merged.aclose()
+            for stream in streams:
+                await aclose(stream)
+            if outcome is not None:
+                for done in finished:
+                    if not done:
+                        m.outcomes[outcome].inc()
+
+
+def _engine_failure(out: CompletionOutput) -> APIError:
+    if out.finish_reason == "error":
+        return APIError(500, out.error or "The engine failed to serve the request.", type=SERVER_ERROR)
+    return APIError(500, "The engine aborted the request before it finished.", type=SERVER_ERROR)
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves a batch's engine streams as outputs arrive; one stream passes straight through."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(k: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((k, item, None))
+            queue.put_nowait((k, None, None))
+        except Exception as exc:
+            queue.put_nowait((k, None, exc))
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            k, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is None:
+                live -= 1
+            else:
+                yield k, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,195 @@
+"""Request models for Chat Completions and Completions, and their mapping to SamplingParams.
+
+Responses are plain dicts built where they are sent (see chat.py, completions.py): the streaming path
+encodes one small dict per chunk, and tests check the shapes against OpenAI's published schemas.
+Unknown request fields are ignored, as OpenAI clients send extras.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from hybridserve.sampling_params import InvalidParameter, SamplingParams
+from hybridserve.serving.openai.errors import APIError, invalid_parameter
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by both endpoints: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true.", param="stream_options")
+
+    def sampling_params(
+        self, logprobs: int | None, max_tokens: int | None, renames: dict[str, str], vocab_size: int
+    ) -> SamplingParams:
+        """Validated SamplingParams; an out-of-range value is a 400 naming the request's field."""
+        try:
+            return SamplingParams(
+                n=_default(self.n, 1),
+                temperature=_default(self.temperature, 1.0),
+                top_p=_default(self.top_p, 1.0),
+                top_k=_default(self.top_k, 0),
+                min_p=_default(self.min_p, 0.0),
+                seed=self.seed,
+                presence_penalty=_default(self.presence_penalty, 0.0),
+                frequency_penalty=_default(self.frequency_penalty, 0.0),
+                repetition_penalty=_default(self.repetition_penalty, 1.0),
+                logit_bias=_logit_bias(self.logit_bias, vocab_size),
+                logprobs=logprobs,
+                max_tokens=max_tokens,
+                min_tokens=_default(self.min_tokens, 0),
+                stop=_stop(self.stop),
+                stop_token_ids=_token_ids("stop_token_ids", self.stop_token_ids or (), vocab_size),
+                include_stop_str_in_output=bool(self.include_stop_str_in_output),
+                ignore_eos=bool(self.ignore_eos),
+                skip_special_tokens=_default(self.skip_special_tokens, True),
+            )
+        except InvalidParameter as exc:
+            raise invalid_parameter(exc, renames) from None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, ... reach the template as given
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise APIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
+            return None
+        return _default(self.top_logprobs, 0)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template expects them: content as one string."""
+        if not self.messages:
+            raise APIError(400, "messages must contain at least one message.", param="messages")
+        out = []
+        for i, message in enumerate(self.messages):
+            item: dict[str, Any] = dict(message.model_extra or {})
+            item["role"] = message.role
+            item["content"] = _text(message.content, f"messages[{i}].content")
+            if message.name is not None:
+                item["name"] = message.name
+            out.append(item)
+        return out
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        if self.suffix:
+            raise APIError(400, "suffix is not supported by this server.", param="suffix")
+        if self.best_of is not None and self.best_of != _default(self.n, 1):
+            raise APIError(400, "best_of is not supported by this server (it must equal n).", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported: prompt logprobs are not computed.", param="echo")
+
+
+def _default(value, default):
+    return default if value is None else value
+
+
+def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _token_ids(param: str, ids, vocab_size: int) -> tuple[int, ...]:
+    for token_id in ids:
+        if not 0 <= token_id < vocab_size:
+            raise InvalidParameter(param, f"{param} contains token id {token_id}, outside [0, {vocab_size})")
+    return tuple(ids)
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    if not bias:
+        return {}
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+        _token_ids("logit_bias", (token_id,), vocab_size)
+        out[token_id] = value
+    return out
+
+
+def _text(content: str | list[ContentPart] | None, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text":
+            raise APIError(
+                400, f"Only text content parts are supported, got type {part.type!r}.", param=f"{param}[{j}]"
+            )
+        if part.text is None:
+            raise APIError(400, "A text content part needs a 'text' field.", param=f"{param}[{j}].text")
+        texts.append(part.text)
+    return "\n".join(texts)

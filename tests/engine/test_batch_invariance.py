@@ -1,0 +1,95 @@
+"""A request's greedy output does not depend on what it is batched with or how it is scheduled."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridserve.engine.llm import LLM
+from hybridserve.sampling_params import SamplingParams
+
+TOPICS = [
+    "the sea",
+    "a robot",
+    "Paris",
+    "mountains",
+    "a cat",
+    "coffee",
+    "winter",
+    "the moon",
+    "a library",
+    "trains",
+    "a garden",
+    "music",
+    "rain",
+    "a dragon",
+    "bread",
+    "stars",
+]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(llm: LLM) -> list[list[int]]:
+    """16 chat prompts of mixed lengths (some share the template prefix, as real traffic does)."""
+    out = []
+    for i, topic in enumerate(TOPICS):
+        text = f"Tell me about {topic}." + " Please be detailed and vivid." * (i % 5)
+        out.append(llm.chat_prompt([{"role": "user", "content": text}]))
+    return out
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate(prompts, PARAMS)
+    llm.core.check_integrity()
+    assert llm.core.kv.usage == 0.0, "finished requests still hold blocks"
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir) -> tuple[list[list[int]], list[list[int]]]:
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", enable_prefix_caching=False)
+    prompts = _prompts(llm)
+    return prompts, [_run(llm, [p])[0] for p in prompts]
+
+
+def test_batch_of_16_mixed_lengths(smollm2_dir, reference):
+    prompts, alone = reference
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", enable_prefix_caching=False)
+    assert _run(llm, prompts) == alone
+
+
+def test_tiny_prefill_chunks(smollm2_dir, reference):
+    prompts, alone = reference
+    llm = LLM(
+        str(smollm2_dir), dtype="float32", device="cpu", long_prefill_token_threshold=5, max_num_batched_tokens=24
+    )
+    assert _run(llm, prompts) == alone
+
+
+def test_preemption_under_tiny_kv_budget(smollm2_dir, reference):
+    prompts, alone = reference
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=40)
+    assert _run(llm, prompts) == alone
+    assert llm.core.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_hit(smollm2_dir, reference):
+    prompts, alone = reference
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", block_size=8)
+    first = llm.generate(prompts[:4], PARAMS)
+    again = llm.generate(prompts[:4], PARAMS)
+    llm.core.check_integrity()
+    assert [o.outputs[0].token_ids for o in first] == alone[:4]
+    assert [o.outputs[0].token_ids for o in again] == alone[:4]
+    # Every full block but the one holding the last prompt token comes from the cache.
+    assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 8 * 8 for p in prompts[:4]]
+
+
+def test_n_choices_share_the_prompt_and_seeds_reproduce(smollm2_dir):
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu")
+    prompt = llm.chat_prompt([{"role": "user", "content": "Name a colour."}])
+    params = SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=7, ignore_eos=True)
+    a = [c.token_ids for c in llm.generate([prompt], params)[0].outputs]
+    b = [c.token_ids for c in llm.generate([prompt], params)[0].outputs]
+    assert a == b
+    assert len({tuple(x) for x in a}) == 3, "choices with seeds seed+i should differ"
+    llm.core.check_integrity()
