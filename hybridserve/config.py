@@ -13,7 +13,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class EngineConfig:
     model: str | None = None  # GGUF file, HF directory, or None for the embedded default model
     served_model_name: str | None = None  # defaults to "smollm2" for the default, else the path's stem
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and bf16-capable CPUs, else float32
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 128

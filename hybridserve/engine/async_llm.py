@@ -132,6 +132,9 @@ class AsyncLLM:
             self.client.abort(ids)
 
     def shutdown(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        self.client.shutdown()
+        """Stop the worker. Safe after the event loop has closed (the reader task dies with it)."""
+        try:
+            if self._reader is not None and not self._reader.get_loop().is_closed():
+                self._reader.cancel()
+        finally:
+            self.client.shutdown()

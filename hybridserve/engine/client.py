@@ -7,9 +7,12 @@ outputs, and block on the socket when idle. The frontend talks to it with typed 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
+import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -35,11 +38,23 @@ from hybridserve.engine.protocol import (
 logger = logging.getLogger("hybridserve.engine")
 
 STARTUP_TIMEOUT_S = 600.0
+_IDLE_POLL_MS = 1000
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies, however the parent ends (even SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def run_engine_worker(config: EngineConfig, hf_dir: Path, in_addr: str, out_addr: str) -> None:
-    """Entry point of the worker process."""
+    """Entry point of the worker process. It never outlives the frontend that started it."""
     from hybridserve.engine.core import EngineCore
+
+    parent = os.getppid()
+    _die_with_parent()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
@@ -58,8 +73,11 @@ def run_engine_worker(config: EngineConfig, hf_dir: Path, in_addr: str, out_addr
     runner = core.runner
     outbox.send(encode(EngineReady(core.max_model_len, runner.vocab_size, runner.num_blocks, config.block_size)))
     while True:
+        if os.getppid() != parent:  # orphaned (where the kernel hook is missing): nobody reads our outputs
+            logger.error("engine worker: frontend process %d is gone; exiting", parent)
+            return
         if not core.has_work():
-            inbox.poll()
+            inbox.poll(_IDLE_POLL_MS)
         while inbox.poll(0):
             msg = decode(inbox.recv())
             if isinstance(msg, Shutdown):
@@ -73,8 +91,7 @@ def run_engine_worker(config: EngineConfig, hf_dir: Path, in_addr: str, out_addr
         except Exception as exc:
             logger.exception("engine step failed; failing the requests in flight")
             outputs = EngineCoreOutputs(core.fail_all(f"engine step failed: {type(exc).__name__}: {exc}"))
-        if outputs.outputs or outputs.stats:
-            outbox.send(encode(outputs))
+        outbox.send(encode(outputs))
 
 
 class ProcessEngineClient:
@@ -138,8 +155,9 @@ class ProcessEngineClient:
         if self.process.is_alive():
             self._to_engine.send(self._encode(Shutdown()))
             self.process.join(timeout=5)
-            if self.process.is_alive():
+            if self.process.is_alive():  # busy or stuck: it holds nothing that must be saved
                 self.process.kill()
+                self.process.join(timeout=5)
         self._ctx.destroy(linger=0)
         self._sync_ctx.destroy(linger=0)
         for addr in (self._in_addr, self._out_addr):

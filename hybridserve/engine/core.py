@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from hybridserve.config import EngineConfig
@@ -16,6 +17,7 @@ from hybridserve.engine.protocol import (
 )
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.scheduler import Scheduler
+from hybridserve.engine.throughput_log import ThroughputLog
 
 logger = logging.getLogger("hybridserve.engine")
 
@@ -27,6 +29,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self._pending: list[EngineCoreOutput] = []
+        self.throughput = ThroughputLog()
 
     def add_request(self, core: EngineCoreRequest) -> None:
         error = self._validate(core)
@@ -74,9 +77,12 @@ class EngineCore:
         outputs, self._pending = self._pending, []
         if self.scheduler.has_work():
             outputs.extend(self._step())
-        return EngineCoreOutputs(outputs, self.scheduler.stats())
+        stats = self.scheduler.stats()
+        self.throughput.maybe_log(stats)
+        return EngineCoreOutputs(outputs, stats)
 
     def _step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return self._fail_unschedulable()
@@ -96,6 +102,7 @@ class EngineCore:
             if req.status is RequestStatus.FINISHED:
                 self.runner.release(req.request_id)
         self.scheduler.retire_finished()
+        self.throughput.record(plan.num_tokens, len(sampled), time.perf_counter() - start)
         return outputs
 
     def _fail_unschedulable(self) -> list[EngineCoreOutput]:

@@ -15,7 +15,8 @@ from hybridserve.engine.cache.specs import CacheLayout
 from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
 from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.models.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from hybridserve.models.loader.safetensors import load_state_dict
+from hybridserve.models.layers.linear import can_pack, pack_linears
+from hybridserve.models.loader.safetensors import load_state_dict, pack
 from hybridserve.models.registry import model_class
 
 logger = logging.getLogger("hybridserve.engine")
@@ -30,9 +31,12 @@ def choose_device(name: str) -> torch.device:
 
 
 def choose_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+    """auto: bfloat16 on CUDA and on CPUs with native bf16 matmuls (AVX512-BF16 / AMX), else float32."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda" or (device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return torch.bfloat16
+    return torch.float32
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -56,7 +60,12 @@ class ModelRunner:
         with torch.device("meta"):
             model = model_class(self.hf_config)(self.hf_config)
         state = load_state_dict(hf_dir, self.dtype, self.device)
-        model.load_state_dict(state, strict=False, assign=True)
+        # Old Llama checkpoints carry the rotary table; the model computes its own.
+        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+        state = pack(state, model.packed_modules)
+        unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
+        if unexpected:
+            raise ValueError(f"checkpoint {hf_dir} has parameters the model does not use: {unexpected[:5]}")
         if self.hf_config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         missing = [n for n, p in model.named_parameters() if p.is_meta]
@@ -64,6 +73,8 @@ class ModelRunner:
             raise ValueError(f"checkpoint {hf_dir} lacks parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
         # Non-persistent buffers (rotary tables) were built on meta; rebuild them for real.
         model.rope = type(model.rope)(self.hf_config, model.rope.cos.shape[-1]).to(self.device, self.dtype)
+        if can_pack(self.device):
+            pack_linears(model)
         self.model = model.eval()
         self.vocab_size = self.hf_config.vocab_size
         self.max_position = self.hf_config.max_position_embeddings
@@ -77,7 +88,7 @@ class ModelRunner:
                 f"({self.layout.bytes_per_block} bytes)"
             )
         self.kv_caches = [
-            zeroed((2, self.num_blocks, s.block_size, s.num_kv_heads, s.head_dim), s.dtype, self.device)
+            zeroed((2, s.num_kv_heads, self.num_blocks, s.block_size, s.head_dim), s.dtype, self.device)
             for s in self.layout.layer_specs
         ]
         logger.info(
@@ -123,8 +134,9 @@ class ModelRunner:
             width = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
             lens = torch.tensor(decode_lens, device=dev).unsqueeze(1)
-            mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < lens).view(len(decode_rows), 1, 1, -1)
-            decode = DecodeGroup(torch.tensor(decode_rows, device=dev), tables, mask)
+            visible = torch.arange(width * bs, device=dev).unsqueeze(0) < lens
+            bias = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+            decode = DecodeGroup(torch.tensor(decode_rows, device=dev), tables, bias.unsqueeze(1))
         return AttentionMetadata(torch.tensor(slots, device=dev), decode, prefills)
 
     @torch.inference_mode()

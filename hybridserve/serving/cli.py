@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=DTYPES,
         default=_DEFAULTS["dtype"],
-        help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+        help="weight, activation and KV-cache dtype "
+        "(auto: bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32)",
     )
     serve.add_argument("--device", default=_DEFAULTS["device"], help="cuda, cpu, or auto")
     serve.add_argument(

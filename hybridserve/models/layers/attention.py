@@ -18,7 +18,7 @@ import torch.nn.functional as F
 class DecodeGroup:
     token_index: torch.Tensor  # [B] positions of these requests' tokens in the flat batch
     block_tables: torch.Tensor  # [B, max_blocks]
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size], True where a key is visible
+    bias: torch.Tensor  # [B, 1, max_blocks * block_size]: 0 where a key is visible, -inf elsewhere
 
 
 @dataclass
@@ -40,17 +40,22 @@ class AttentionMetadata:
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]."""
-    flat = cache.view(2, -1, cache.shape[-2], cache.shape[-1])
-    flat[0].index_copy_(0, slots, k)
-    flat[1].index_copy_(0, slots, v)
+    """cache: [2, kv_heads, num_blocks, block_size, head_dim]; k, v: [T, kv_heads, head_dim]."""
+    flat = cache.view(2, cache.shape[1], -1, cache.shape[-1])
+    flat[0].index_copy_(1, slots, k.transpose(0, 1))
+    flat[1].index_copy_(1, slots, v.transpose(0, 1))
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values for rows of block tables: [B, kv_heads, max_blocks * block_size, head_dim]."""
+    """Keys and values for rows of block tables, head-major: [kv_heads, B, max_blocks * block_size, D].
+
+    The cache keeps each KV head's blocks together, so one gather yields tensors the attention
+    matmuls read contiguously, batched over (kv head, request)."""
+    two, h, num_blocks, block_size, d = cache.shape
     b, n = block_tables.shape
-    kv = cache[:, block_tables]  # [2, B, n, block_size, H, D]
-    kv = kv.view(2, b, n * cache.shape[2], cache.shape[3], cache.shape[4]).transpose(2, 3)
+    # index_select on a flat table is ~3x faster on CPU than advanced indexing with the same result.
+    kv = cache.view(two * h, num_blocks, block_size * d).index_select(1, block_tables.flatten())
+    kv = kv.view(two, h, b, n * block_size, d)
     return kv[0], kv[1]
 
 
@@ -63,9 +68,23 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     hkv = k.shape[1]
     group = hq // hkv
     qg = q.reshape(b, hkv, group * nq, d)
-    mask = mask.repeat(1, 1, group, 1) if nq > 1 else mask
+    mask = mask.repeat(1, 1, group, 1)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.view(b, hq, nq, d)
+
+
+def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per request; the query heads sharing a KV head are its rows. Plain matmuls beat
+    the fused kernel for so few rows on CPU; softmax runs in float32 as in Hugging Face's eager attention.
+
+    q: [B, Hq, D]; k, v: [Hkv, B, L, D]; bias: [B, 1, L]. Returns [B, Hq, D].
+    """
+    b, hq, d = q.shape
+    hkv = k.shape[0]
+    qg = q.view(b, hkv, hq // hkv, d).transpose(0, 1)  # [Hkv, B, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(bias)
+    probs = scores.softmax(-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(b, hq, d)
 
 
 def paged_attention(
@@ -77,8 +96,7 @@ def paged_attention(
     if meta.decode is not None:
         d = meta.decode
         kc, vc = _gather(cache, d.block_tables)
-        qd = q.index_select(0, d.token_index).unsqueeze(2)  # [B, Hq, 1, D]
-        out.index_copy_(0, d.token_index, _grouped(qd, kc, vc, d.mask, scale).squeeze(2))
+        out.index_copy_(0, d.token_index, _decode(q.index_select(0, d.token_index), kc, vc, d.bias, scale))
     for p in meta.prefills:
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if p.block_table is None:
@@ -88,6 +106,6 @@ def paged_attention(
         else:
             kc, vc = _gather(cache, p.block_table.unsqueeze(0))
             length = p.mask.shape[-1]
-            o = _grouped(qp, kc[:, :, :length], vc[:, :, :length], p.mask, scale)
+            o = _grouped(qp, kc[:, :, :length].transpose(0, 1), vc[:, :, :length].transpose(0, 1), p.mask, scale)
         out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
     return out

@@ -45,3 +45,19 @@ def load_state_dict(hf_dir: Path, dtype: torch.dtype, device: torch.device) -> d
                 tensor = f.get_tensor(name)
                 state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return state
+
+
+def pack(state: dict[str, torch.Tensor], packed_modules: dict[str, tuple[str, ...]]) -> dict[str, torch.Tensor]:
+    """Concatenate checkpoint projections into the fused modules a model computes with, e.g.
+    `*.q_proj.weight`, `*.k_proj.weight`, `*.v_proj.weight` → `*.qkv_proj.weight` (rows in that order)."""
+    out = dict(state)
+    for fused, parts in packed_modules.items():
+        suffix = f".{parts[0]}."
+        for name in [n for n in state if suffix in n]:
+            prefix, param = name.split(suffix, 1)
+            names = [f"{prefix}.{part}.{param}" for part in parts]
+            missing = [n for n in names if n not in state]
+            if missing:
+                raise ValueError(f"cannot build {prefix}.{fused}.{param}: checkpoint lacks {missing}")
+            out[f"{prefix}.{fused}.{param}"] = torch.cat([out.pop(n) for n in names])
+    return out

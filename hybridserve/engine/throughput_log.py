@@ -1,0 +1,49 @@
+"""A periodic log line of what the engine is doing, as long-running servers owe their operators."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from hybridserve.engine.protocol import SchedulerStats
+
+logger = logging.getLogger("hybridserve.engine")
+
+
+class ThroughputLog:
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._since = time.monotonic()
+        self._computed = 0
+        self._generated = 0
+        self._steps = 0
+        self._busy_s = 0.0
+
+    def record(self, computed_tokens: int, generated_tokens: int, step_s: float) -> None:
+        self._computed += computed_tokens
+        self._generated += generated_tokens
+        self._steps += 1
+        self._busy_s += step_s
+
+    def maybe_log(self, stats: SchedulerStats) -> None:
+        now = time.monotonic()
+        elapsed = now - self._since
+        if elapsed < self.interval_s or not self._steps:
+            return
+        logger.info(
+            "engine: %.1f generated tok/s, %.1f computed tok/s, %d steps (%.1f ms avg), running %d, waiting %d, "
+            "KV cache %.1f%%, prefix hits %d/%d tokens, preemptions %d",
+            self._generated / elapsed,
+            self._computed / elapsed,
+            self._steps,
+            1000 * self._busy_s / self._steps,
+            stats.num_running,
+            stats.num_waiting,
+            100 * stats.kv_cache_usage,
+            stats.prefix_cache_hits,
+            stats.prefix_cache_queries,
+            stats.num_preemptions,
+        )
+        self._since = now
+        self._computed = self._generated = self._steps = 0
+        self._busy_s = 0.0
