@@ -70,7 +70,7 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     qg = q.reshape(b, hkv, group * nq, d)
     mask = mask.repeat(1, 1, group, 1)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-    return out.view(b, hq, nq, d)
+    return out.reshape(b, hq, nq, d)
 
 
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
