@@ -136,7 +136,7 @@ class ModelRunner:
             lens = torch.tensor(decode_lens, device=dev).unsqueeze(1)
             visible = torch.arange(width * bs, device=dev).unsqueeze(0) < lens
             bias = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
-            decode = DecodeGroup(torch.tensor(decode_rows, device=dev), tables, bias.unsqueeze(1))
+            decode = DecodeGroup(torch.tensor(decode_rows, device=dev), tables, tables.flatten(), bias.unsqueeze(1))
         return AttentionMetadata(torch.tensor(slots, device=dev), decode, prefills)
 
     @torch.inference_mode()

@@ -8,7 +8,7 @@ with one new token (decodes) are attended to together in one batched call; a mul
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 class DecodeGroup:
     token_index: torch.Tensor  # [B] positions of these requests' tokens in the flat batch
     block_tables: torch.Tensor  # [B, max_blocks]
+    flat_tables: torch.Tensor  # block_tables.flatten()
     bias: torch.Tensor  # [B, 1, max_blocks * block_size]: 0 where a key is visible, -inf elsewhere
 
 
@@ -37,6 +38,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot (block_id * block_size + offset) of each token
     decode: DecodeGroup | None
     prefills: list[PrefillChunk]
+    # Gather buffers reused by every layer of the step (layers of one kind share a shape): allocating
+    # megabytes per layer costs more than the gather itself on CPU.
+    workspace: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -46,16 +50,24 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
     flat[1].index_copy_(1, slots, v.transpose(0, 1))
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values for rows of block tables, head-major: [kv_heads, B, max_blocks * block_size, D].
+def _gather(
+    cache: torch.Tensor, flat_tables: torch.Tensor, b: int, workspace: dict[tuple[int, ...], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of `b` requests' blocks (`flat_tables`: their block tables, row after row),
+    head-major: [kv_heads, b, max_blocks * block_size, D] each.
 
     The cache keeps each KV head's blocks together, so one gather yields tensors the attention
     matmuls read contiguously, batched over (kv head, request)."""
     two, h, num_blocks, block_size, d = cache.shape
-    b, n = block_tables.shape
+    shape = (two * h, flat_tables.numel(), block_size * d)
+    out = None
+    if workspace is not None:
+        out = workspace.get(shape)
+        if out is None or out.dtype != cache.dtype:
+            out = workspace[shape] = torch.empty(shape, dtype=cache.dtype, device=cache.device)
     # index_select on a flat table is ~3x faster on CPU than advanced indexing with the same result.
-    kv = cache.view(two * h, num_blocks, block_size * d).index_select(1, block_tables.flatten())
-    kv = kv.view(two, h, b, n * block_size, d)
+    kv = torch.index_select(cache.view(shape[0], num_blocks, shape[2]), 1, flat_tables, out=out)
+    kv = kv.view(two, h, b, -1, d)
     return kv[0], kv[1]
 
 
@@ -95,7 +107,7 @@ def paged_attention(
     out = torch.empty_like(q)
     if meta.decode is not None:
         d = meta.decode
-        kc, vc = _gather(cache, d.block_tables)
+        kc, vc = _gather(cache, d.flat_tables, d.block_tables.shape[0], meta.workspace)
         out.index_copy_(0, d.token_index, _decode(q.index_select(0, d.token_index), kc, vc, d.bias, scale))
     for p in meta.prefills:
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
@@ -104,7 +116,7 @@ def paged_attention(
             vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            kc, vc = _gather(cache, p.block_table.unsqueeze(0))
+            kc, vc = _gather(cache, p.block_table, 1)
             length = p.mask.shape[-1]
             o = _grouped(qp, kc[:, :, :length].transpose(0, 1), vc[:, :, :length].transpose(0, 1), p.mask, scale)
         out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
