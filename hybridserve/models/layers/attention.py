@@ -93,7 +93,7 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tenso
     """
     b, hq, d = q.shape
     hkv = k.shape[0]
-    qg = q.view(b, hkv, hq // hkv, d).transpose(0, 1)  # [Hkv, B, G, D]
+    qg = q.reshape(b, hkv, hq // hkv, d).transpose(0, 1)  # [Hkv, B, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(bias)
     probs = scores.softmax(-1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(probs, v).transpose(0, 1).reshape(b, hq, d)
@@ -104,9 +104,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the step's new tokens. Returns [T, Hq, D]."""
     write_kv(cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
-    if meta.decode is not None:
-        d = meta.decode
+    d = meta.decode
+    if d is not None and not meta.prefills:  # decodes only (the steady state): no scatter needed
+        kc, vc = _gather(cache, d.flat_tables, d.block_tables.shape[0], meta.workspace)
+        return _decode(q, kc, vc, d.bias, scale)
+    out = q.new_empty(q.shape)
+    if d is not None:
         kc, vc = _gather(cache, d.flat_tables, d.block_tables.shape[0], meta.workspace)
         out.index_copy_(0, d.token_index, _decode(q.index_select(0, d.token_index), kc, vc, d.bias, scale))
     for p in meta.prefills:

@@ -28,17 +28,17 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"unsupported rope type {rope_type!r}")
         max_pos = config.max_position_embeddings
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.register_buffer("cos", torch.cat((freqs, freqs), dim=-1).cos() * scaling, persistent=False)
+        # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: the sign lives in the table, saving ops per layer.
+        sin = freqs.sin() * scaling
+        self.register_buffer("signed_sin", torch.cat((-sin, sin), dim=-1), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, head_dim] each, in the model dtype, gathered once per step for all layers."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
     @staticmethod
     def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        cos, sin = cos_sin
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        """x: [T, heads, head_dim], Hugging Face's rotate-half layout."""
+        cos, signed_sin = cos_sin
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
