@@ -12,10 +12,10 @@ from starlette.responses import Response
 from hybridserve.engine.outputs import Logprob
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import APIError, json_response
-from hybridserve.serving.openai.generation import GenerationRun, fit_to_context
+from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, stream_frame
 from hybridserve.serving.openai.models import check_model
 from hybridserve.serving.openai.protocol import CompletionRequest
-from hybridserve.serving.openai.sse import SSE_DONE, EventStreamResponse, cancel_on_disconnect, sse_event
+from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
 
 
 class CompletionService:
@@ -130,11 +130,11 @@ async def _stream(
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse_event({**head, "choices": [{**choice, **extra}]})
 
-    if echo is not None:
-        for index in range(run.num_choices):
-            yield chunk(index, _echo_text(echo, index, run.n))
-    offsets = [0] * run.num_choices
-    try:
+    async def choices() -> AsyncIterator[bytes]:
+        if echo is not None:
+            for index in range(run.num_choices):
+                yield chunk(index, _echo_text(echo, index, run.n))
+        offsets = [0] * run.num_choices
         async for index, out, finished in run.outputs():
             if out.delta_text or out.delta_logprobs:
                 logprobs = None
@@ -143,10 +143,6 @@ async def _stream(
                 yield chunk(index, out.delta_text, logprobs)
             if finished:
                 yield chunk(index, "", None, out.finish_reason, stop_reason=out.stop_reason)
-    except APIError as exc:
-        yield sse_event(exc.body())
-        yield SSE_DONE
-        return
-    if include_usage:
-        yield sse_event({**head, "choices": [], "usage": run.usage()})
-    yield SSE_DONE
+
+    async for event in stream_frame(choices(), run, head if include_usage else None):
+        yield event

@@ -17,7 +17,7 @@ from hybridserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling_params import InvalidParameter, SamplingParams
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, invalid_parameter
-from hybridserve.serving.openai.sse import aclose
+from hybridserve.serving.openai.sse import SSE_DONE, aclose, sse_event
 
 logger = logging.getLogger(__name__)
 
@@ -208,3 +208,20 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def stream_frame(
+    choices: AsyncIterator[bytes], run: GenerationRun, usage_head: dict | None
+) -> AsyncIterator[bytes]:
+    """What every streamed completion shares around its choice chunks: an engine failure becomes an error
+    event, a usage chunk follows when one was asked for (`usage_head`), and [DONE] ends the stream."""
+    try:
+        async for event in choices:
+            yield event
+    except APIError as exc:
+        yield sse_event(exc.body())
+        yield SSE_DONE
+        return
+    if usage_head is not None:
+        yield sse_event({**usage_head, "choices": [], "usage": run.usage()})
+    yield SSE_DONE
