@@ -31,12 +31,13 @@ class ThroughputLog:
         if elapsed < self.interval_s or not self._steps:
             return
         logger.info(
-            "engine: %.1f generated tok/s, %.1f computed tok/s, %d steps (%.1f ms avg), running %d, waiting %d, "
-            "KV cache %.1f%%, prefix hits %d/%d tokens, preemptions %d",
+            "engine: %.1f generated tok/s, %.1f computed tok/s, %d steps (%.1f ms avg, busy %.0f%%), running %d, "
+            "waiting %d, KV cache %.1f%%, prefix hits %d/%d tokens, preemptions %d",
             self._generated / elapsed,
             self._computed / elapsed,
             self._steps,
             1000 * self._busy_s / self._steps,
+            100 * self._busy_s / elapsed,
             stats.num_running,
             stats.num_waiting,
             100 * stats.kv_cache_usage,
