@@ -32,6 +32,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "n", self.n, "must be at least 1")
+        if self.seed is not None:
+            _check(-(2**63) <= self.seed < 2**63, "seed", self.seed, "must fit in a signed 64-bit integer")
         _check(self.temperature >= 0.0, "temperature", self.temperature, "must be non-negative")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= -1, "top_k", self.top_k, "must be -1 (disabled) or non-negative")

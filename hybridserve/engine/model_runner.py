@@ -71,13 +71,19 @@ class ModelRunner:
         missing = [n for n, p in model.named_parameters() if p.is_meta]
         if missing:
             raise ValueError(f"checkpoint {hf_dir} lacks parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        # Non-persistent buffers (rotary tables) were built on meta; rebuild them for real.
-        model.rope = type(model.rope)(self.hf_config, model.rope.cos.shape[-1]).to(self.device, self.dtype)
+        # The rotary tables were computed on the CPU while the rest was built on meta.
+        model.rope.to(self.device, self.dtype)
         if can_pack(self.device):
             pack_linears(model)
         self.model = model.eval()
         self.vocab_size = self.hf_config.vocab_size
         self.max_position = self.hf_config.max_position_embeddings
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window and getattr(self.hf_config, "use_sliding_window", True) and window < self.max_position:
+            # Attention here is full attention: within the window it equals sliding-window attention,
+            # beyond it it would silently differ, so the context stops at the window.
+            logger.warning("model uses sliding-window attention (%d tokens): context limited to %d", window, window)
+            self.max_position = window
         logger.info("loaded %s (%s, %s) in %.1fs", hf_dir, self.device, self.dtype, time.perf_counter() - t0)
 
         self.layout = CacheLayout(model.cache_spec(config.block_size, self.dtype))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridserve.engine.sampler import Sampler, SamplingState, apply_penalties
-from hybridserve.sampling_params import SamplingParams
+from hybridserve.sampling_params import InvalidParameter, SamplingParams
 
 CPU = torch.device("cpu")
 EOS = 0
@@ -232,3 +232,9 @@ def test_logprobs_with_different_k_in_one_batch() -> None:
     raw = torch.tensor([[4.0, 3.0, 2.0, 1.0]] * 2)
     results = Sampler(4)(raw, [state(temperature=0.0, logprobs=3), state(temperature=0.0, logprobs=1)])
     assert [[t for t, _ in r.logprobs.top] for r in results if r.logprobs] == [[0, 1, 2], [0]]
+
+
+def test_seed_outside_int64_is_rejected_before_the_engine() -> None:
+    with pytest.raises(InvalidParameter, match="seed must fit in a signed 64-bit integer, got 18446744073709551616"):
+        SamplingParams(seed=2**64)
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)

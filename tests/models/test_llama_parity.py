@@ -8,10 +8,8 @@ import torch
 from hybridserve.config import EngineConfig
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.model_runner import ModelRunner
-from hybridserve.engine.protocol import EngineCoreRequest
-from hybridserve.engine.request import Request
-from hybridserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hybridserve.sampling_params import SamplingParams
+from tests.models.engine_logits import engine_logits
 
 PROMPTS = [
     "What is the capital of France?",
@@ -39,24 +37,6 @@ def _chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
-def _engine_logits(runner: ModelRunner, ids: list[int], cuts: list[int]) -> torch.Tensor:
-    """Logits at every position, computing the sequence in chunks ending at `cuts` (the last chunks of one
-    token exercise the decode path, the middle ones prefill with cached context)."""
-    req = Request(EngineCoreRequest("r", ids, SamplingParams(), [], 0.0), 4096)
-    table = list(range(-(-len(ids) // BLOCK)))
-    logits = []
-    start = 0
-    with torch.inference_mode():
-        for end in cuts:
-            req.num_computed_tokens = start
-            plan = SchedulerOutput([ScheduledRequest(req, end - start)])
-            meta = runner._metadata(plan, [table])
-            hidden = runner.model(torch.tensor(ids[start:end]), torch.arange(start, end), runner.kv_caches, meta)
-            logits.append(runner.model.compute_logits(hidden))
-            start = end
-    return torch.cat(logits)
-
-
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_logits_match_transformers_at_every_position(runner, hf_model, llm, prompt):
     ids = _chat_ids(llm.tokenizer, prompt)
@@ -64,7 +44,7 @@ def test_logits_match_transformers_at_every_position(runner, hf_model, llm, prom
     with torch.inference_mode():
         ref = hf_model(torch.tensor([ids])).logits[0]
     cuts = [n // 3, n - 3, n - 2, n - 1, n]  # fresh prefill, prefill on context, then three decodes
-    ours = _engine_logits(runner, ids, cuts)
+    ours = engine_logits(runner, ids, cuts)
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max().item() < 2e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
