@@ -39,6 +39,7 @@ logger = logging.getLogger("hybridserve.engine")
 
 STARTUP_TIMEOUT_S = 600.0
 _IDLE_POLL_MS = 1000
+_LIVENESS_POLL_MS = 1000
 _PR_SET_PDEATHSIG = 1
 
 
@@ -141,6 +142,11 @@ class ProcessEngineClient:
         self._to_engine.send(self._encode(AbortRequests(request_ids)))
 
     async def get_outputs(self) -> EngineCoreOutputs:
+        """The worker's next batch of outputs. Raises once the worker process has died, so nobody waits on
+        a dead engine: the socket is polled with a timeout and the process checked in between."""
+        while not await self._from_engine.poll(_LIVENESS_POLL_MS):
+            if not self.process.is_alive():
+                raise RuntimeError(f"engine worker process exited (exit code {self.process.exitcode})")
         msg = self._decode(await self._from_engine.recv())
         if isinstance(msg, EngineFailed):
             raise RuntimeError(f"engine worker failed: {msg.error}")

@@ -1,9 +1,7 @@
-"""End to end: a real `hybridserve serve` subprocess (the embedded SmolLM2-135M) driven by the openai SDK.
-
-Skipped until the engine front end (hybridserve.engine.async_llm) exists.
-"""
+"""End to end: a real `hybridserve serve` subprocess (the embedded SmolLM2-135M) driven by the openai SDK."""
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -11,13 +9,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-
-pytest.importorskip("hybridserve.engine.async_llm", reason="the engine (hybridserve.engine.async_llm) is not built yet")
 
 KEY = "sk-e2e"
 MAX_MODEL_LEN = 2048
@@ -31,10 +28,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def running_server(log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A real `hybridserve serve` subprocess, healthy, stopped (SIGINT) on exit."""
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [
         sys.executable,
         "-m",
@@ -65,13 +62,22 @@ def server(tmp_path_factory):
             proc.kill()
             pytest.fail(f"server not healthy after 120 s:\n{log.read_text()[-4000:]}")
         time.sleep(0.5)
-    yield url
-    proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        yield url, proc
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with running_server(log) as (url, _):
+        yield url
     assert "hybridserve ready: serving smollm2 at http://127.0.0.1:" in log.read_text()
 
 
@@ -220,3 +226,24 @@ def test_disconnect_frees_blocks(server):
         time.sleep(0.2)
     text = httpx.get(server + "/metrics").text
     assert re.search(r'hybridserve:request_outcome_total\{model_name="smollm2",outcome="abort"\} [1-9]', text)
+
+
+def test_a_dead_engine_fails_requests_loudly_instead_of_hanging(tmp_path):
+    """Kill the engine worker mid-stream: the stream ends with an error event, health turns 503, and the next
+    request fails at once with a 500 naming the engine, never a hang."""
+    psutil = pytest.importorskip("psutil")
+    with running_server(tmp_path / "server.log") as (url, proc):
+        body = {"model": "smollm2", "messages": QUESTION, "max_tokens": 1500, "stream": True, "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            (worker,) = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+            worker.kill()
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert '"error"' in rest[-2] and "engine worker process exited" in rest[-2]
+        assert httpx.get(url + "/health").status_code == 503
+        again = httpx.post(url + "/v1/chat/completions", json={**body, "stream": False}, headers=headers, timeout=30)
+        assert again.status_code in (500, 503)
+        assert "engine" in again.json()["error"]["message"]
