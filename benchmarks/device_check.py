@@ -99,7 +99,7 @@ def prefix_logits(core: EngineCore, ids: list[int]) -> torch.Tensor:
         for end in (n // 3, n - 2, n - 1, n):
             req.num_computed_tokens = start
             plan = SchedulerOutput([ScheduledRequest(req, end - start)])
-            meta = runner._metadata(plan, [table])
+            meta = runner.attention_metadata(plan, [table])
             dev = runner.device
             hidden = runner.model(
                 torch.tensor(ids[start:end], device=dev), torch.arange(start, end, device=dev), runner.kv_caches, meta

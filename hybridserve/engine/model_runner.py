@@ -109,7 +109,8 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.sampling_states.pop(request_id, None)
 
-    def _metadata(self, out: SchedulerOutput, block_tables: list[list[int]]) -> AttentionMetadata:
+    def attention_metadata(self, out: SchedulerOutput, block_tables: list[list[int]]) -> AttentionMetadata:
+        """Cache slots, the decode group and the prefill chunks of a step, built once for every layer."""
         bs, dev = self.block_size, self.device
         slots: list[int] = []
         decode_rows: list[int] = []
@@ -166,7 +167,7 @@ class ModelRunner:
                     )
                     self.sampling_states[req.request_id] = state
                 states.append(state)
-        meta = self._metadata(out, block_tables)
+        meta = self.attention_metadata(out, block_tables)
         hidden = self.model(
             torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.kv_caches, meta
         )

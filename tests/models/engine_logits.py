@@ -22,7 +22,7 @@ def engine_logits(runner: ModelRunner, ids: list[int], cuts: list[int]) -> torch
         for end in cuts:
             req.num_computed_tokens = start
             plan = SchedulerOutput([ScheduledRequest(req, end - start)])
-            meta = runner._metadata(plan, [table])
+            meta = runner.attention_metadata(plan, [table])
             hidden = runner.model(torch.tensor(ids[start:end]), torch.arange(start, end), runner.kv_caches, meta)
             logits.append(runner.model.compute_logits(hidden))
             start = end
