@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import importlib.metadata
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -23,6 +26,11 @@ from hybridserve.serving.openai.errors import (
 )
 from hybridserve.serving.openai.models import ModelsService
 from hybridserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
+from hybridserve.serving.openai.responses.protocol import ResponsesRequest
+from hybridserve.serving.openai.responses.service import ResponsesService
+from hybridserve.serving.openai.responses.store import ResponseStore
+
+DATABASE_FILE = "hybridserve.sqlite3"
 
 
 def version() -> str:
@@ -32,16 +40,27 @@ def version() -> str:
         return "unknown"
 
 
-def build_app(engine, api_key: str | None) -> FastAPI:
-    """An app serving `engine` (an AsyncLLM); with `api_key`, every /v1 route requires that Bearer token."""
+def build_app(engine, api_key: str | None, data_dir: str | Path | None = None) -> FastAPI:
+    """An app serving `engine` (an AsyncLLM); with `api_key`, every /v1 route requires that Bearer token.
+
+    Stored state (the response store) lives in one SQLite file under `data_dir`; None keeps it in memory.
+    """
     metrics = ServingMetrics(engine.model_name, engine.stats)
+    store = ResponseStore(":memory:" if data_dir is None else Path(data_dir) / DATABASE_FILE)
     chat = ChatService(engine, metrics)
+    responses = ResponsesService(engine, metrics, store)
     completions = CompletionService(engine, metrics)
     models = ModelsService(engine)
 
-    app = FastAPI(title="hybridserve", version=version())
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        store.close()  # flushes the WAL into the database file
+
+    app = FastAPI(title="hybridserve", version=version(), lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.response_store = store
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -80,6 +99,22 @@ def build_app(engine, api_key: str | None) -> FastAPI:
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         return await completions.create(await parse_body(request, CompletionRequest), request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(await parse_body(request, ResponsesRequest), request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return json_response(responses.retrieve(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return json_response(responses.delete(response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None):
+        return json_response(responses.input_items(response_id, limit, order, after))
 
     return app
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import re
 import sys
+from pathlib import Path
 
 import uvicorn
 
@@ -40,6 +42,12 @@ def parse_bytes(text: str) -> int:
     if match is None or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MiB or 1073741824, got {text!r}")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def default_data_dir() -> Path:
+    """$HYBRIDSERVE_DATA_DIR, else ~/.local/share/hybridserve."""
+    configured = os.environ.get("HYBRIDSERVE_DATA_DIR")
+    return Path(configured) if configured else Path.home() / ".local" / "share" / "hybridserve"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULTS["enable_prefix_caching"],
         help="reuse KV blocks of earlier prompts with the same prefix",
     )
+    serve.add_argument(
+        "--data-dir",
+        type=Path,
+        default=default_data_dir(),
+        help="directory of the SQLite database holding stored responses ($HYBRIDSERVE_DATA_DIR overrides the default)",
+    )
     serve.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine random seed")
     serve.add_argument(
         "--log-level",
@@ -169,7 +183,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     engine = AsyncLLM.from_config(config)
     try:
-        app = build_app(engine, args.api_key)
+        app = build_app(engine, args.api_key, args.data_dir)
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         ReadyServer(server_config, engine.model_name).run()
     finally:

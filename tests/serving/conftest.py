@@ -31,3 +31,11 @@ def client(engine):
 
     with TestClient(build_app(engine, None)) as client:
         yield client
+
+
+@pytest.fixture(autouse=True)
+def data_dir(tmp_path, monkeypatch):
+    """`hybridserve serve`'s default --data-dir points into the test's temporary directory, never at $HOME."""
+    path = tmp_path / "data"
+    monkeypatch.setenv("HYBRIDSERVE_DATA_DIR", str(path))
+    return path

@@ -45,6 +45,8 @@ def running_server(log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
         str(MAX_MODEL_LEN),
         "--kv-cache-memory-bytes",
         "256MiB",
+        "--data-dir",
+        str(log.parent / "data"),
     ]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -247,3 +249,20 @@ def test_a_dead_engine_fails_requests_loudly_instead_of_hanging(tmp_path):
         again = httpx.post(url + "/v1/chat/completions", json={**body, "stream": False}, headers=headers, timeout=30)
         assert again.status_code in (500, 503)
         assert "engine" in again.json()["error"]["message"]
+
+
+def test_responses_knows_paris(client):
+    r = client.responses.create(
+        model="smollm2", input="What is the capital of France?", temperature=0, max_output_tokens=32
+    )
+    assert "Paris" in r.output_text and r.status in ("completed", "incomplete")
+    assert r.usage.input_tokens == 37 and 0 < r.usage.output_tokens <= 32
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+    with client.responses.stream(
+        model="smollm2", input="What is the capital of France?", temperature=0, max_output_tokens=32
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response() if r.status == "completed" else None
+    assert "".join(deltas) == r.output_text
+    if final is not None:
+        assert final.output_text == r.output_text

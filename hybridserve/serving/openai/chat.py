@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import jinja2
 from starlette.requests import Request
@@ -19,6 +20,18 @@ from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
 
 
+def render_messages(
+    tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None, param: str = "messages"
+) -> list[int]:
+    """Prompt token ids: `messages` through the tokenizer's chat template, ending with the assistant's turn."""
+    kwargs = {"add_generation_prompt": True, **(template_kwargs or {}), "tokenize": False}
+    try:
+        text = tokenizer.apply_chat_template(messages, **kwargs)
+    except (jinja2.TemplateError, ValueError, TypeError) as exc:
+        raise APIError(400, f"The chat template could not render these messages: {exc}", param=param) from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 class ChatService:
     def __init__(self, engine, metrics: ServingMetrics) -> None:
         self.engine = engine
@@ -27,13 +40,7 @@ class ChatService:
         self.vocab_size = len(engine.tokenizer)
 
     def render(self, req: ChatCompletionRequest) -> list[int]:
-        messages = req.template_messages()
-        kwargs = {"add_generation_prompt": True, **(req.chat_template_kwargs or {}), "tokenize": False}
-        try:
-            text = self.tokenizer.apply_chat_template(messages, **kwargs)
-        except (jinja2.TemplateError, ValueError, TypeError) as exc:
-            raise APIError(400, f"The chat template could not render these messages: {exc}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return render_messages(self.tokenizer, req.template_messages(), req.chat_template_kwargs)
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
