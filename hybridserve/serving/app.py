@@ -28,7 +28,7 @@ from hybridserve.serving.openai.models import ModelsService
 from hybridserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hybridserve.serving.openai.responses.protocol import ResponsesRequest
 from hybridserve.serving.openai.responses.service import ResponsesService
-from hybridserve.serving.openai.responses.store import ResponseStore
+from hybridserve.serving.openai.responses.store import ResponseStore, Retention
 
 DATABASE_FILE = "hybridserve.sqlite3"
 
@@ -40,13 +40,16 @@ def version() -> str:
         return "unknown"
 
 
-def build_app(engine, api_key: str | None, data_dir: str | Path | None = None) -> FastAPI:
+def build_app(
+    engine, api_key: str | None, data_dir: str | Path | None = None, retention: Retention | None = None
+) -> FastAPI:
     """An app serving `engine` (an AsyncLLM); with `api_key`, every /v1 route requires that Bearer token.
 
     Stored state (the response store) lives in one SQLite file under `data_dir`; None keeps it in memory.
+    `retention` bounds the stored responses by count and age (default: Retention()).
     """
     metrics = ServingMetrics(engine.model_name, engine.stats)
-    store = ResponseStore(":memory:" if data_dir is None else Path(data_dir) / DATABASE_FILE)
+    store = ResponseStore(":memory:" if data_dir is None else Path(data_dir) / DATABASE_FILE, retention)
     chat = ChatService(engine, metrics)
     responses = ResponsesService(engine, metrics, store)
     completions = CompletionService(engine, metrics)

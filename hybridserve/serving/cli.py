@@ -14,6 +14,7 @@ import uvicorn
 
 from hybridserve.config import DTYPES, EngineConfig
 from hybridserve.sampling_params import InvalidParameter
+from hybridserve.serving.openai.responses.store import Retention
 
 logger = logging.getLogger("hybridserve.serve")
 
@@ -131,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=default_data_dir(),
         help="directory of the SQLite database holding stored responses ($HYBRIDSERVE_DATA_DIR overrides the default)",
     )
+    serve.add_argument(
+        "--response-store-max-count",
+        type=int,
+        default=Retention.max_count,
+        help="keep at most this many stored responses, evicting the oldest (0: unlimited)",
+    )
+    serve.add_argument(
+        "--response-store-max-age",
+        type=int,
+        default=Retention.max_age_s,
+        metavar="SECONDS",
+        help="evict stored responses older than this many seconds (default 30 days; 0: unlimited)",
+    )
     serve.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine random seed")
     serve.add_argument(
         "--log-level",
@@ -178,12 +192,16 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         config = engine_config(args)
     except InvalidParameter as exc:
         parser.error(f"--{exc.param.replace('_', '-')}: {exc}")
+    for flag in ("response_store_max_count", "response_store_max_age"):
+        if (value := getattr(args, flag)) < 0:
+            parser.error(f"--{flag.replace('_', '-')}: must be at least 0 (0 means unlimited), got {value}")
+    retention = Retention(args.response_store_max_count, args.response_store_max_age)
     from hybridserve.engine.async_llm import AsyncLLM  # heavy (torch): imported only to serve
     from hybridserve.serving.app import build_app
 
     engine = AsyncLLM.from_config(config)
     try:
-        app = build_app(engine, args.api_key, args.data_dir)
+        app = build_app(engine, args.api_key, args.data_dir, retention)
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         ReadyServer(server_config, engine.model_name).run()
     finally:

@@ -98,11 +98,16 @@ def test_socket_disconnect_aborts(served, stream):
             if stream:
                 with client.stream("POST", "/v1/chat/completions", json=body) as r:
                     assert next(r.iter_lines()).startswith("data: ")
+                    # The role chunk goes out before the engine request starts: leave only once it is running.
+                    deadline = time.monotonic() + 5
+                    while not engine.paused.is_set():
+                        assert time.monotonic() < deadline, "the engine request never started"
+                        time.sleep(0.01)
             else:
                 with pytest.raises(httpx.ReadTimeout):
                     client.post("/v1/chat/completions", json=body, timeout=httpx.Timeout(30.0, read=0.5))
         deadline = time.monotonic() + 5
-        while engine.running:
+        while engine.running or not engine.aborted:
             assert time.monotonic() < deadline, "engine request still running after the client left"
             time.sleep(0.01)
         assert engine.aborted[-1] == engine.calls[-1][2]

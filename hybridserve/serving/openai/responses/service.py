@@ -53,7 +53,7 @@ class ResponsesService:
         instructions = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
         sampling = SamplingRequest(temperature=req.temperature, top_p=req.top_p, user=req.user)
         params = sampling.sampling_params(None, req.max_output_tokens, RENAMES, self.vocab_size)
-        prompt = render_messages(self.engine.tokenizer, instructions + messages, param="input")
+        prompt = self._prompt(instructions, messages, len(items), params.max_tokens, req.truncation)
         params = fit_to_context(
             params,
             len(prompt),
@@ -107,6 +107,36 @@ class ResponsesService:
             "last_id": data[-1]["id"] if data else None,
             "has_more": has_more,
         }
+
+    def _prompt(
+        self,
+        instructions: list[dict[str, Any]],
+        messages: list[dict[str, Any]],
+        num_input: int,
+        max_tokens: int | None,
+        truncation: str | None,
+    ) -> list[int]:
+        """The prompt ids; with truncation "auto", the oldest turns are dropped (whole messages) until the
+        prompt leaves room for `max_tokens` (or 1 token). Instructions, system/developer messages and the
+        newest user input (from the last user message of this turn on) are never dropped. When even those do
+        not fit, the full prompt is returned and fit_to_context answers the same 400 as "disabled"."""
+
+        def render(kept: list[dict[str, Any]]) -> list[int]:
+            return render_messages(self.engine.tokenizer, instructions + kept, param="input")
+
+        prompt = render(messages)
+        room = self.engine.max_model_len - (max_tokens or 1)
+        if truncation != "auto" or len(prompt) <= room:
+            return prompt
+        users = [i for i, m in enumerate(messages) if m["role"] == "user" and i >= len(messages) - num_input]
+        newest = users[-1] if users else len(messages) - 1
+        droppable = [i for i in range(newest) if messages[i]["role"] not in ("system", "developer")]
+        for n in range(1, len(droppable) + 1):
+            dropped = set(droppable[:n])
+            kept = render([m for i, m in enumerate(messages) if i not in dropped])
+            if len(kept) <= room:
+                return kept
+        return prompt
 
     def _history(self, previous_response_id: str | None) -> list[dict[str, Any]]:
         """Every earlier turn's messages and assistant output, in order (instructions are not carried over)."""

@@ -3,6 +3,9 @@
 Calls are synchronous and small (one indexed read, or one transaction of a few inserts, in WAL mode with
 synchronous=NORMAL), so the service makes them on the event loop; a lock serialises the shared connection
 for servers that call from other threads.
+
+Retention (count and age) is enforced inside every put's transaction, oldest first by (created_at, seq),
+where seq is the insertion order; an evicted response is gone exactly as a deleted one is.
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +24,8 @@ CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
     created_at INTEGER NOT NULL,
     response TEXT NOT NULL,
-    prompt_messages TEXT NOT NULL
+    prompt_messages TEXT NOT NULL,
+    seq INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS response_input_items (
     response_id TEXT NOT NULL REFERENCES responses(id) ON DELETE CASCADE,
@@ -28,12 +35,31 @@ CREATE TABLE IF NOT EXISTS response_input_items (
     PRIMARY KEY (response_id, position)
 );
 """
+DAY_S = 24 * 60 * 60
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How many responses the store keeps and for how long (seconds); 0 means unlimited."""
+
+    max_count: int = 10_000
+    max_age_s: int = 30 * DAY_S
+
+    def __post_init__(self) -> None:
+        for name in ("max_count", "max_age_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be at least 0 (0 means unlimited), got {getattr(self, name)}")
 
 
 class ResponseStore:
-    """`path` is a database file (its directory is created) or ":memory:"."""
+    """`path` is a database file (its directory is created) or ":memory:".
 
-    def __init__(self, path: str | Path) -> None:
+    `clock` (seconds since the epoch) is the "now" that age retention measures from.
+    """
+
+    def __init__(
+        self, path: str | Path, retention: Retention | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
         if str(path) != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.path = str(path)
@@ -43,6 +69,13 @@ class ResponseStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(SCHEMA)
+        columns = [row[1] for row in self._db.execute("PRAGMA table_info(responses)")]
+        if "seq" not in columns:  # a database written before retention: rowid is its insertion order
+            self._db.execute("ALTER TABLE responses ADD COLUMN seq INTEGER NOT NULL DEFAULT 0")
+            self._db.execute("UPDATE responses SET seq = rowid")
+        self._db.execute("CREATE INDEX IF NOT EXISTS responses_age ON responses (created_at, seq)")
+        self.retention = retention or Retention()
+        self.clock = clock
 
     def close(self) -> None:
         with self._lock:
@@ -51,21 +84,41 @@ class ResponseStore:
     def put(
         self, response: dict[str, Any], input_items: list[dict[str, Any]], prompt_messages: list[dict[str, Any]]
     ) -> None:
-        """Stores (or replaces) `response` with this turn's input items and the conversation it continued."""
+        """Stores (or replaces) `response` with this turn's input items and the conversation it continued,
+        then evicts the oldest others beyond the retention limits (never `response` itself: a client is
+        never handed an id that already answers 404)."""
         rows = [(response["id"], i, item["id"], json.dumps(item)) for i, item in enumerate(input_items)]
         with self._lock:
             self._db.execute("BEGIN")
             try:
                 self._db.execute("DELETE FROM responses WHERE id = ?", (response["id"],))
                 self._db.execute(
-                    "INSERT INTO responses VALUES (?, ?, ?, ?)",
+                    "INSERT INTO responses (id, created_at, response, prompt_messages, seq) "
+                    "VALUES (?, ?, ?, ?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM responses))",
                     (response["id"], response["created_at"], json.dumps(response), json.dumps(prompt_messages)),
                 )
                 self._db.executemany("INSERT INTO response_input_items VALUES (?, ?, ?, ?)", rows)
+                self._evict(response["id"])
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    def _evict(self, keep_id: str) -> None:
+        if self.retention.max_age_s:
+            self._db.execute(
+                "DELETE FROM responses WHERE id != ? AND created_at < ?",
+                (keep_id, self.clock() - self.retention.max_age_s),
+            )
+        if self.retention.max_count:
+            self._db.execute(
+                "DELETE FROM responses WHERE id IN (SELECT id FROM responses WHERE id != ? "
+                "ORDER BY created_at DESC, seq DESC LIMIT -1 OFFSET ?)",
+                (keep_id, self.retention.max_count - 1),
+            )
+
+    def count(self) -> int:
+        return self._one("SELECT COUNT(*) FROM responses")[0]
 
     def get(self, response_id: str) -> dict[str, Any] | None:
         row = self._one("SELECT response FROM responses WHERE id = ?", response_id)
