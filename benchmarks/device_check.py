@@ -29,6 +29,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.core import EngineCore
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.protocol import EngineCoreRequest
+from hybridserve.models.parity import chunked_logits
 from hybridserve.sampling_params import SamplingParams
 
 SIZES = {
@@ -78,35 +79,11 @@ def parity(model_dir: Path, device: str, report: dict) -> None:
             logits = ref(torch.tensor([full], device=device)).logits[0].float()
         greedy_ok &= logits[len(ids) - 1 : -1].argmax(-1).tolist() == o.outputs[0].token_ids
         # Our logits at every position of the same sequence, in chunks: prefill, prefill on context, decode.
-        ours = prefix_logits(llm.core, full)
+        n = len(full)
+        ours = chunked_logits(llm.core.runner, full, [n // 3, n - 2, n - 1, n])
         worst = max(worst, (ours - logits).abs().max().item())
     report["parity_max_abs_logit_diff_fp32"] = worst
     report["greedy_equals_transformers_argmax_32_steps"] = greedy_ok
-
-
-def prefix_logits(core: EngineCore, ids: list[int]) -> torch.Tensor:
-    """Logits at every position, computed in chunks through the runner's own metadata path: a fresh
-    prefill, a prefill on cached context, then single-token decodes."""
-    from hybridserve.engine.request import Request
-    from hybridserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-
-    runner = core.runner
-    n = len(ids)
-    req = Request(EngineCoreRequest("parity", ids, SamplingParams(), [], 0.0), 4096)
-    table = list(range(-(-n // runner.block_size)))
-    chunks, start = [], 0
-    with torch.inference_mode():
-        for end in (n // 3, n - 2, n - 1, n):
-            req.num_computed_tokens = start
-            plan = SchedulerOutput([ScheduledRequest(req, end - start)])
-            meta = runner.attention_metadata(plan, [table])
-            dev = runner.device
-            hidden = runner.model(
-                torch.tensor(ids[start:end], device=dev), torch.arange(start, end, device=dev), runner.kv_caches, meta
-            )
-            chunks.append(runner.model.compute_logits(hidden))
-            start = end
-    return torch.cat(chunks)
 
 
 def invariance(model_dir: Path, device: str, report: dict) -> None:

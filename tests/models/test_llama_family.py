@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.model_runner import ModelRunner
-from tests.models.engine_logits import engine_logits
+from hybridserve.models.parity import chunked_logits
 
 TINY = dict(
     vocab_size=256,
@@ -60,7 +60,7 @@ def test_logits_match_transformers(arch: str, tmp_path: Path) -> None:
     ids = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         ref = ref_model(torch.tensor([ids])).logits[0]
-    ours = engine_logits(runner, ids, [12, 30, 35, 36, 37])
+    ours = chunked_logits(runner, ids, [12, 30, 35, 36, 37])
     assert (ours - ref).abs().max().item() < 1e-4
 
 

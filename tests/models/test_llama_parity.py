@@ -8,8 +8,8 @@ import torch
 from hybridserve.config import EngineConfig
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.model_runner import ModelRunner
+from hybridserve.models.parity import chunked_logits
 from hybridserve.sampling_params import SamplingParams
-from tests.models.engine_logits import engine_logits
 
 PROMPTS = [
     "What is the capital of France?",
@@ -44,7 +44,7 @@ def test_logits_match_transformers_at_every_position(runner, hf_model, llm, prom
     with torch.inference_mode():
         ref = hf_model(torch.tensor([ids])).logits[0]
     cuts = [n // 3, n - 3, n - 2, n - 1, n]  # fresh prefill, prefill on context, then three decodes
-    ours = engine_logits(runner, ids, cuts)
+    ours = chunked_logits(runner, ids, cuts)
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max().item() < 2e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))

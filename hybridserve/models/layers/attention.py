@@ -105,12 +105,12 @@ def paged_attention(
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the step's new tokens. Returns [T, Hq, D]."""
     write_kv(cache, k, v, meta.slot_mapping)
     d = meta.decode
-    if d is not None and not meta.prefills:  # decodes only (the steady state): no scatter needed
-        kc, vc = _gather(cache, d.flat_tables, d.block_tables.shape[0], meta.workspace)
-        return _decode(q, kc, vc, d.bias, scale)
-    out = q.new_empty(q.shape)
     if d is not None:
         kc, vc = _gather(cache, d.flat_tables, d.block_tables.shape[0], meta.workspace)
+        if not meta.prefills:  # decodes only (the steady state): no scatter needed
+            return _decode(q, kc, vc, d.bias, scale)
+    out = q.new_empty(q.shape)
+    if d is not None:
         out.index_copy_(0, d.token_index, _decode(q.index_select(0, d.token_index), kc, vc, d.bias, scale))
     for p in meta.prefills:
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
