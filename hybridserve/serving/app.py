@@ -25,10 +25,12 @@ from hybridserve.serving.openai.errors import (
     validation_error,
 )
 from hybridserve.serving.openai.models import ModelsService
+from hybridserve.serving.openai.prompt import template_supports_tools
 from hybridserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hybridserve.serving.openai.responses.protocol import ResponsesRequest
 from hybridserve.serving.openai.responses.service import ResponsesService
 from hybridserve.serving.openai.responses.store import ResponseStore, Retention
+from hybridserve.serving.parsers import Parsers
 
 DATABASE_FILE = "hybridserve.sqlite3"
 
@@ -41,17 +43,24 @@ def version() -> str:
 
 
 def build_app(
-    engine, api_key: str | None, data_dir: str | Path | None = None, retention: Retention | None = None
+    engine,
+    api_key: str | None,
+    data_dir: str | Path | None = None,
+    retention: Retention | None = None,
+    parsers: Parsers | None = None,
 ) -> FastAPI:
     """An app serving `engine` (an AsyncLLM); with `api_key`, every /v1 route requires that Bearer token.
 
     Stored state (the response store) lives in one SQLite file under `data_dir`; None keeps it in memory.
-    `retention` bounds the stored responses by count and age (default: Retention()).
+    `retention` bounds the stored responses by count and age (default: Retention()). `parsers` reads
+    reasoning and tool calls out of the output (default: what the model's chat template shows).
     """
     metrics = ServingMetrics(engine.model_name, engine.stats)
     store = ResponseStore(":memory:" if data_dir is None else Path(data_dir) / DATABASE_FILE, retention)
-    chat = ChatService(engine, metrics)
-    responses = ResponsesService(engine, metrics, store)
+    if parsers is None:
+        parsers = default_parsers(engine.tokenizer)
+    chat = ChatService(engine, metrics, parsers)
+    responses = ResponsesService(engine, metrics, store, parsers)
     completions = CompletionService(engine, metrics)
     models = ModelsService(engine)
 
@@ -120,6 +129,12 @@ def build_app(
         return json_response(responses.input_items(response_id, limit, order, after))
 
     return app
+
+
+def default_parsers(tokenizer, reasoning: str | None = "auto", tool: str | None = "auto") -> Parsers:
+    """The parsers for this model's chat template, unless `reasoning` / `tool` name one (or "none")."""
+    template = tokenizer.chat_template
+    return Parsers.choose(template, template_supports_tools(template), reasoning, tool)
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -15,6 +15,8 @@ import uvicorn
 from hybridserve.config import DTYPES, EngineConfig
 from hybridserve.sampling_params import InvalidParameter
 from hybridserve.serving.openai.responses.store import Retention
+from hybridserve.serving.parsers.reasoning import REASONING_PARSERS
+from hybridserve.serving.parsers.tools import TOOL_PARSERS
 
 logger = logging.getLogger("hybridserve.serve")
 
@@ -145,6 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="evict stored responses older than this many seconds (default 30 days; 0: unlimited)",
     )
+    serve.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=["auto", "none", *REASONING_PARSERS],
+        help="how reasoning is read out of the output (auto: from the chat template; none: all of it is text)",
+    )
+    serve.add_argument(
+        "--tool-parser",
+        default="auto",
+        choices=["auto", "none", *TOOL_PARSERS],
+        help="how tool calls are read out of the output (auto: from the chat template, hermes for templates "
+        "without tools, which get tools in the Hermes form; none: calls stay text)",
+    )
     serve.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine random seed")
     serve.add_argument(
         "--log-level",
@@ -197,11 +212,13 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error(f"--{flag.replace('_', '-')}: must be at least 0 (0 means unlimited), got {value}")
     retention = Retention(args.response_store_max_count, args.response_store_max_age)
     from hybridserve.engine.async_llm import AsyncLLM  # heavy (torch): imported only to serve
-    from hybridserve.serving.app import build_app
+    from hybridserve.serving.app import build_app, default_parsers
 
     engine = AsyncLLM.from_config(config)
     try:
-        app = build_app(engine, args.api_key, args.data_dir, retention)
+        parsers = default_parsers(engine.tokenizer, args.reasoning_parser, args.tool_parser)
+        logger.info("output parsers: reasoning %s, tools %s", parsers.reasoning, parsers.tool)
+        app = build_app(engine, args.api_key, args.data_dir, retention, parsers)
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         ReadyServer(server_config, engine.model_name).run()
     finally:

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from hybridserve.serving import cli
 from hybridserve.serving.app import build_app
 from hybridserve.serving.openai.responses.store import ResponseStore, Retention
+from hybridserve.serving.parsers import Parsers
 
 from .fake_engine import FakeEngine
 from .helpers import PARIS, chat_prompt, error_body
@@ -137,7 +138,7 @@ def test_a_database_from_before_retention_gets_insertion_order(tmp_path):
     db.commit()
     db.close()
     store = ResponseStore(path, Retention(max_count=2, max_age_s=0))
-    store.put({"id": "resp_3", "created_at": 7}, [], [])
+    store.put({"id": "resp_3", "created_at": 7, "output": []}, [], [])
     assert [store.get(rid) is not None for rid in ("resp_1", "resp_2", "resp_3")] == [False, True, True]
 
 
@@ -151,8 +152,8 @@ def test_cli_flags_reach_the_store(monkeypatch, tokenizer):
         def from_config(cls, config):
             return FakeEngine(tokenizer, [PARIS])
 
-    def fake_build_app(engine, api_key, data_dir, retention):
-        seen["retention"] = retention
+    def fake_build_app(engine, api_key, data_dir, retention, parsers):
+        seen["retention"], seen["parsers"] = retention, parsers
         raise SystemExit(0)
 
     module = types.ModuleType("hybridserve.engine.async_llm")
@@ -160,8 +161,20 @@ def test_cli_flags_reach_the_store(monkeypatch, tokenizer):
     monkeypatch.setitem(sys.modules, "hybridserve.engine.async_llm", module)
     monkeypatch.setattr("hybridserve.serving.app.build_app", fake_build_app)
     with pytest.raises(SystemExit):
-        cli.main(["serve", "--response-store-max-count", "0", "--response-store-max-age", "60"])
+        cli.main(
+            [
+                "serve",
+                "--response-store-max-count",
+                "0",
+                "--response-store-max-age",
+                "60",
+                "--reasoning-parser",
+                "think",
+            ]
+        )
     assert seen["retention"] == Retention(max_count=0, max_age_s=60)
+    # SmolLM2's template knows no tools: they are written in the Hermes form and read back by that parser.
+    assert seen["parsers"] == Parsers(reasoning="think", tool="hermes")
 
 
 def test_cli_rejects_negative_retention(capsys):

@@ -1,74 +1,70 @@
-"""POST /v1/chat/completions: render messages with the chat template, generate, answer or stream."""
+"""POST /v1/chat/completions: render messages with the chat template, generate, answer or stream.
+
+Each choice's text goes through its parser: reasoning becomes `reasoning_content`, tool calls become
+`tool_calls` (finish_reason "tool_calls"), the rest is `content`; streamed, in that order as they come.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import jinja2
 from starlette.requests import Request
 from starlette.responses import Response
 
 from hybridserve.engine.outputs import Logprob
 from hybridserve.serving.metrics import ServingMetrics
-from hybridserve.serving.openai.errors import APIError, json_response
+from hybridserve.serving.openai.errors import json_response
 from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, stream_frame
 from hybridserve.serving.openai.models import check_model
+from hybridserve.serving.openai.prompt import PromptRenderer
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
-
-
-def render_messages(
-    tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None, param: str = "messages"
-) -> list[int]:
-    """Prompt token ids: `messages` through the tokenizer's chat template, ending with the assistant's turn."""
-    kwargs = {"add_generation_prompt": True, **(template_kwargs or {}), "tokenize": False}
-    try:
-        text = tokenizer.apply_chat_template(messages, **kwargs)
-    except (jinja2.TemplateError, ValueError, TypeError) as exc:
-        raise APIError(400, f"The chat template could not render these messages: {exc}", param=param) from None
-    return tokenizer.encode(text, add_special_tokens=False)
+from hybridserve.serving.openai.tools import output_parser, tool_request
+from hybridserve.serving.parsers import Parsers, Piece, Reasoning, StreamParser, Text, ToolCall
+from hybridserve.serving.parsers.base import merged
 
 
 class ChatService:
-    def __init__(self, engine, metrics: ServingMetrics) -> None:
+    def __init__(self, engine, metrics: ServingMetrics, parsers: Parsers) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.tokenizer = engine.tokenizer
+        self.parsers = parsers
+        self.renderer = PromptRenderer(engine.tokenizer)
         self.vocab_size = len(engine.tokenizer)
-
-    def render(self, req: ChatCompletionRequest) -> list[int]:
-        return render_messages(self.tokenizer, req.template_messages(), req.chat_template_kwargs)
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         check_model(self.engine, req.model)
         req.check_stream_options()
+        tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, nested=True)
         max_param = req.max_tokens_param
         renames = {"max_tokens": max_param, "logprobs": "top_logprobs"}
         params = req.sampling_params(req.num_logprobs(), req.requested_max_tokens, renames, self.vocab_size)
-        prompt = self.render(req)
+        prompt = self.renderer.render(req.template_messages(), tools.template_tools(), req.chat_template_kwargs)
         params = fit_to_context(
             params,
-            len(prompt),
+            len(prompt.ids),
             self.engine.max_model_len,
             what="messages",
             max_tokens_param=max_param,
             renames=renames,
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        run = GenerationRun(self.engine, self.metrics, request_id, [prompt], [params], arrival)
+        run = GenerationRun(self.engine, self.metrics, request_id, [prompt.ids], [params], arrival)
         head = {
             "id": request_id,
             "object": "chat.completion.chunk",
             "created": int(time.time()),
             "model": self.engine.model_name,
         }
+        parsers = [output_parser(self.parsers, prompt.text, tools) for _ in range(run.num_choices)]
+        want_logprobs = params.logprobs is not None
         if req.stream:
-            return EventStreamResponse(_stream(run, head, req.include_usage, params.logprobs is not None))
-        return await cancel_on_disconnect(request, _complete(run, head, params.logprobs is not None))
+            return EventStreamResponse(_stream(run, head, parsers, req.include_usage, want_logprobs))
+        return await cancel_on_disconnect(request, _complete(run, head, parsers, want_logprobs))
 
 
 def logprobs_content(logprobs: list[Logprob]) -> list[dict]:
@@ -83,23 +79,47 @@ def logprobs_content(logprobs: list[Logprob]) -> list[dict]:
     ]
 
 
-async def _complete(run: GenerationRun, head: dict, want_logprobs: bool) -> Response:
-    choices = [
-        {
-            "index": index,
-            "message": {"role": "assistant", "content": out.text, "refusal": None},
-            "logprobs": {"content": logprobs_content(logprobs), "refusal": None} if want_logprobs else None,
-            "finish_reason": out.finish_reason,
-            "stop_reason": out.stop_reason,
-        }
-        for index, (out, logprobs) in enumerate(await run.collect(want_logprobs))
-    ]
+def _finish_reason(reason: str | None, calls: int) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {} if index is None else {"index": index}
+    function = {"name": call.name, "arguments": call.arguments}
+    return {**body, "id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}
+
+
+async def _complete(run: GenerationRun, head: dict, parsers: list[StreamParser], want_logprobs: bool) -> Response:
+    choices = []
+    for index, (out, logprobs) in enumerate(await run.collect(want_logprobs)):
+        parser = parsers[index]
+        pieces = merged(parser.feed(out.text) + parser.finish())
+        text = "".join(p.text for p in pieces if isinstance(p, Text))
+        reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
+        calls = [_tool_call(p) for p in pieces if isinstance(p, ToolCall)]
+        message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else ""), "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        choices.append(
+            {
+                "index": index,
+                "message": message,
+                "logprobs": {"content": logprobs_content(logprobs), "refusal": None} if want_logprobs else None,
+                "finish_reason": _finish_reason(out.finish_reason, len(calls)),
+                "stop_reason": out.stop_reason,
+            }
+        )
     return json_response({**head, "object": "chat.completion", "choices": choices, "usage": run.usage()})
 
 
-async def _stream(run: GenerationRun, head: dict, include_usage: bool, want_logprobs: bool) -> AsyncIterator[bytes]:
+async def _stream(
+    run: GenerationRun, head: dict, parsers: list[StreamParser], include_usage: bool, want_logprobs: bool
+) -> AsyncIterator[bytes]:
     if include_usage:
         head = {**head, "usage": None}
+    calls = [0] * run.num_choices
 
     def chunk(
         index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None, **extra
@@ -107,17 +127,35 @@ async def _stream(run: GenerationRun, head: dict, include_usage: bool, want_logp
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse_event({**head, "choices": [{**choice, **extra}]})
 
+    def piece_chunks(index: int, pieces: list[Piece], logprobs: dict | None) -> Iterator[bytes]:
+        for piece in pieces:
+            if isinstance(piece, Text):
+                delta: dict[str, Any] = {"content": piece.text}
+            elif isinstance(piece, Reasoning):
+                delta = {"reasoning_content": piece.text}
+            else:
+                delta = {"tool_calls": [_tool_call(piece, calls[index])]}
+                calls[index] += 1
+            yield chunk(index, delta, logprobs)
+            logprobs = None
+        if logprobs is not None:  # tokens whose text is held back still report their logprobs
+            yield chunk(index, {"content": ""}, logprobs)
+
     async def choices() -> AsyncIterator[bytes]:
         for index in range(run.num_choices):
             yield chunk(index, {"role": "assistant", "content": ""})
         async for index, out, finished in run.outputs():
-            if out.delta_text or out.delta_logprobs:
-                logprobs = None
-                if want_logprobs and out.delta_logprobs:
-                    logprobs = {"content": logprobs_content(out.delta_logprobs), "refusal": None}
-                yield chunk(index, {"content": out.delta_text}, logprobs)
+            logprobs = None
+            if want_logprobs and out.delta_logprobs:
+                logprobs = {"content": logprobs_content(out.delta_logprobs), "refusal": None}
+            pieces = parsers[index].feed(out.delta_text)
             if finished:
-                yield chunk(index, {}, None, out.finish_reason, stop_reason=out.stop_reason)
+                pieces = merged(pieces + parsers[index].finish())
+            for frame in piece_chunks(index, pieces, logprobs):
+                yield frame
+            if finished:
+                reason = _finish_reason(out.finish_reason, calls[index])
+                yield chunk(index, {}, None, reason, stop_reason=out.stop_reason)
 
     async for event in stream_frame(choices(), run, head if include_usage else None):
         yield event

@@ -100,6 +100,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def max_tokens_param(self) -> str:
@@ -117,7 +120,7 @@ class ChatCompletionRequest(SamplingRequest):
         return _default(self.top_logprobs, 0)
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template expects them: content as one string."""
+        """Messages as the chat template expects them: content as one string (empty beside tool calls)."""
         if not self.messages:
             raise APIError(400, "messages must contain at least one message.", param="messages")
         out = []

@@ -1,7 +1,8 @@
-"""The streamed form of one Response: typed server-sent events with contiguous sequence numbers.
+"""One Response's generation: engine outputs → parsed pieces → output items, streamed as typed events or not.
 
-created → in_progress → output_item.added → content_part.added → output_text.delta* → output_text.done →
-content_part.done → output_item.done → completed | incomplete; an engine failure ends with error → failed.
+Streamed: created → in_progress → each item's events (see output.py) → completed | incomplete; an engine
+failure ends with error → failed. The non-streamed path runs the same loop without making events, so both
+build identical objects.
 """
 
 from __future__ import annotations
@@ -9,61 +10,65 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import msgspec
-
 from hybridserve.serving.openai.errors import APIError
 from hybridserve.serving.openai.generation import GenerationRun
-from hybridserve.serving.openai.responses.protocol import (
-    failed_response,
-    finished_response,
-    output_message,
-    output_text_part,
-)
-
-_encode = msgspec.json.Encoder().encode
+from hybridserve.serving.openai.responses.output import EventWriter, OutputBuilder
+from hybridserve.serving.openai.responses.protocol import failed_response, finished_response, usage
+from hybridserve.serving.parsers import StreamParser
 
 
-class EventWriter:
-    """Frames events as `event: <type>` / `data: <json>`, numbering them from 0."""
+class ResponseRun:
+    """`finish` receives the terminal object (to store it) before it is sent; `final` holds it afterwards."""
 
-    def __init__(self) -> None:
-        self.sequence_number = 0
+    def __init__(
+        self, run: GenerationRun, base: dict[str, Any], parser: StreamParser, finish: Callable[[dict], None]
+    ) -> None:
+        self.run = run
+        self.base = base
+        self.parser = parser
+        self.finish = finish
+        self.final: dict[str, Any] | None = None
 
-    def __call__(self, type: str, **fields: Any) -> bytes:
-        payload = {"type": type, **fields, "sequence_number": self.sequence_number}
-        self.sequence_number += 1
-        return b"event: " + type.encode() + b"\ndata: " + _encode(payload) + b"\n\n"
-
-
-async def response_events(
-    run: GenerationRun, base: dict[str, Any], item_id: str, finish: Callable[[dict[str, Any]], None]
-) -> AsyncIterator[bytes]:
-    """Streams `run` as Response events; `finish` receives the terminal object (to store it) before it is sent."""
-    event = EventWriter()
-    yield event("response.created", response=base)
-    yield event("response.in_progress", response=base)
-    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
-    yield event("response.output_item.added", output_index=0, item=output_message(item_id, "in_progress", None))
-    yield event("response.content_part.added", **where, part=output_text_part(""))
-    text: list[str] = []
-    finish_reason = None
-    try:
-        async for _, out, finished in run.outputs():
-            if out.delta_text:
-                text.append(out.delta_text)
-                yield event("response.output_text.delta", **where, delta=out.delta_text, logprobs=[])
-            if finished:
-                finish_reason = out.finish_reason
-    except APIError as exc:
-        failed = failed_response(base, exc, run.usage())
-        finish(failed)
-        yield event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)
-        yield event("response.failed", response=failed)
-        return
-    full = "".join(text)
-    final = finished_response(base, item_id, full, finish_reason, run.usage())
-    yield event("response.output_text.done", **where, text=full, logprobs=[])
-    yield event("response.content_part.done", **where, part=output_text_part(full))
-    yield event("response.output_item.done", output_index=0, item=final["output"][0])
-    finish(final)
-    yield event(f"response.{final['status']}", response=final)
+    async def events(self, stream: bool) -> AsyncIterator[bytes]:
+        """The event stream (`stream`), or nothing but `final` set; a non-streamed failure raises APIError."""
+        run, parser = self.run, self.parser
+        event = EventWriter() if stream else None
+        out_items = OutputBuilder(event)
+        if event is not None:
+            yield event("response.created", response=self.base)
+            yield event("response.in_progress", response=self.base)
+        # Tokens inside the reasoning block, its markers included. Tokens whose text the parser holds back
+        # (a marker's first characters) are counted once it is known whether they opened a block.
+        reasoning_tokens = held = 0
+        finish_reason = None
+        try:
+            async for _, out, finished in run.outputs():
+                was_reasoning = parser.in_reasoning
+                pieces = parser.feed(out.delta_text)
+                for piece in pieces:
+                    for frame in out_items.add(piece):
+                        yield frame
+                if was_reasoning or parser.in_reasoning:
+                    reasoning_tokens, held = reasoning_tokens + held + len(out.delta_token_ids), 0
+                else:
+                    held = 0 if pieces else held + len(out.delta_token_ids)
+                if finished:
+                    finish_reason = out.finish_reason
+        except APIError as exc:
+            if event is None:
+                raise
+            self.final = failed_response(self.base, exc, run.usage())
+            self.finish(self.final)
+            yield event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)
+            yield event("response.failed", response=self.final)
+            return
+        for piece in parser.finish():
+            for frame in out_items.add(piece):
+                yield frame
+        status = "incomplete" if finish_reason == "length" else "completed"
+        for frame in out_items.finish(status):
+            yield frame
+        self.final = finished_response(self.base, out_items.items, status, usage(run.usage(), reasoning_tokens))
+        self.finish(self.final)
+        if event is not None:
+            yield event(f"response.{status}", response=self.final)

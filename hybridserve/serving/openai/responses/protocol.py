@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel
@@ -71,17 +72,61 @@ class ResponsesRequest(BaseModel):
         if self.truncation not in (None, "auto", "disabled"):
             raise APIError(400, "truncation must be 'auto' or 'disabled'.", param="truncation", code="invalid_value")
 
-    def input_items(self) -> list[dict[str, Any]]:
-        """The input as stored items: messages with ids, content as typed text parts."""
+    def input_items(self, lookup: Callable[[str], dict[str, Any] | None]) -> list[dict[str, Any]]:
+        """The input as stored items, each with an id; `lookup` resolves item references to stored items."""
         if isinstance(self.input, str):
             return [message_item("user", [{"type": "input_text", "text": self.input}])]
-        return [_item(raw, f"input[{i}]") for i, raw in enumerate(self.input)]
+        return [_item(raw, f"input[{i}]", lookup) for i, raw in enumerate(self.input)]
 
 
-def _item(raw: dict[str, Any], param: str) -> dict[str, Any]:
+def _item(raw: Any, param: str, lookup: Callable[[str], dict[str, Any] | None]) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise APIError(400, f"'{param}' must be an input item object.", param=param)
     kind = raw.get("type", "message")
-    if kind != "message":
+    if kind == "message":
+        item = _message(raw, param)
+    elif kind == "function_call":
+        item = {
+            "id": new_id("fc"),
+            "type": kind,
+            "call_id": _string(raw, "call_id", param),
+            "name": _string(raw, "name", param),
+            "arguments": _string(raw, "arguments", param),
+            "status": "completed",
+        }
+    elif kind == "function_call_output":
+        output = raw.get("output")
+        if isinstance(output, list):
+            output = "\n".join(_part(part, f"{param}.output[{j}]")["text"] for j, part in enumerate(output))
+        elif not isinstance(output, str):
+            raise APIError(400, f"Missing required parameter: '{param}.output'.", param=f"{param}.output")
+        item = {"id": new_id("fco"), "type": kind, "call_id": _string(raw, "call_id", param), "output": output}
+        item["status"] = "completed"
+    elif kind == "reasoning":
+        item = {"id": new_id("rs"), "type": kind, "summary": raw.get("summary") or []}
+        for key in ("content", "encrypted_content"):
+            if raw.get(key) is not None:
+                item[key] = raw[key]
+    elif kind == "item_reference":
+        ref = _string(raw, "id", param)
+        found = lookup(ref)
+        if found is None:
+            raise APIError(404, f"Item with id '{ref}' not found.", param=f"{param}.id", code="not_found")
+        return found
+    else:
         raise not_supported(f"Input item type {kind!r}", f"{param}.type")
+    if isinstance(raw.get("id"), str):
+        item["id"] = raw["id"]
+    return item
+
+
+def _string(raw: dict[str, Any], key: str, param: str) -> str:
+    if not isinstance(raw.get(key), str):
+        raise APIError(400, f"Missing required parameter: '{param}.{key}'.", param=f"{param}.{key}")
+    return raw[key]
+
+
+def _message(raw: dict[str, Any], param: str) -> dict[str, Any]:
     role = raw.get("role")
     if role not in ROLES:
         raise APIError(
@@ -95,10 +140,7 @@ def _item(raw: dict[str, Any], param: str) -> dict[str, Any]:
         parts = [_part(part, f"{param}.content[{j}]") for j, part in enumerate(content)]
     else:
         raise APIError(400, f"'{param}.content' must be a string or a list of content parts.", param=f"{param}.content")
-    item = message_item(role, parts)
-    if isinstance(raw.get("id"), str):
-        item["id"] = raw["id"]
-    return item
+    return message_item(role, parts)
 
 
 def _part(part: Any, param: str) -> dict[str, Any]:
@@ -118,31 +160,33 @@ def message_item(role: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": new_id("msg"), "type": "message", "role": role, "status": "completed", "content": parts}
 
 
-def item_message(item: dict[str, Any]) -> dict[str, str]:
-    """A stored message item as the chat template expects it: content as one string."""
-    return {"role": item["role"], "content": "\n".join(part["text"] for part in item["content"])}
+def conversation_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stored items as chat messages: consecutive function calls join the assistant turn before them,
+    each output becomes a tool message, and reasoning is left out of the prompt."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item["content"]
+            text = content if isinstance(content, str) else "\n".join(part["text"] for part in content)
+            out.append({"role": item["role"], "content": text})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"]}}
+            call["function"]["arguments"] = item["arguments"]
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    return out
 
 
 def output_text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def output_message(item_id: str, status: str, text: str | None) -> dict[str, Any]:
-    content = [] if text is None else [output_text_part(text)]
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
-
-
-def output_text(response: dict[str, Any]) -> str:
-    return "".join(
-        part["text"]
-        for item in response["output"]
-        if item["type"] == "message"
-        for part in item["content"]
-        if part["type"] == "output_text"
-    )
-
-
-def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+def usage(chat_usage: dict[str, Any], reasoning_tokens: int = 0) -> dict[str, Any]:
     """Chat-style usage (GenerationRun.usage) in the Responses shape."""
     return {
         "input_tokens": chat_usage["prompt_tokens"],
@@ -151,7 +195,7 @@ def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
             "cache_write_tokens": 0,
         },
         "output_tokens": chat_usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": chat_usage["total_tokens"],
     }
 
@@ -179,7 +223,7 @@ def base_response(req: ResponsesRequest, response_id: str, model: str) -> dict[s
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": {"type": "text"}},
         "tool_choice": "auto" if req.tool_choice is None else req.tool_choice,
-        "tools": req.tools or [],
+        "tools": [_echo_tool(tool) for tool in req.tools or []],
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "truncation": req.truncation or "disabled",
         "metadata": req.metadata or {},
@@ -190,19 +234,26 @@ def base_response(req: ResponsesRequest, response_id: str, model: str) -> dict[s
     return body
 
 
+def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool as the Response object lists it: every field present. `strict` defaults to false here
+    (OpenAI's default is true): only forced calls are grammar-constrained, so unasked strictness isn't claimed."""
+    if tool.get("type") != "function":
+        return tool
+    return {"description": None, "parameters": None, **tool, "strict": bool(tool.get("strict", False))}
+
+
 def finished_response(
-    base: dict[str, Any], item_id: str, text: str, finish_reason: str | None, chat_usage: dict[str, Any]
+    base: dict[str, Any], output: list[dict[str, Any]], status: str, usage_body: dict[str, Any]
 ) -> dict[str, Any]:
     """The terminal object: completed, or incomplete when the output hit max_output_tokens."""
-    cut = finish_reason == "length"
-    status = "incomplete" if cut else "completed"
+    cut = status == "incomplete"
     return {
         **base,
         "status": status,
         "completed_at": None if cut else int(time.time()),
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-        "output": [output_message(item_id, status, text)],
-        "usage": usage(chat_usage),
+        "output": output,
+        "usage": usage_body,
     }
 
 

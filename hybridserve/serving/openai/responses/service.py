@@ -13,66 +13,69 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from hybridserve.serving.metrics import ServingMetrics
-from hybridserve.serving.openai.chat import render_messages
 from hybridserve.serving.openai.errors import APIError, json_response
 from hybridserve.serving.openai.generation import GenerationRun, fit_to_context
 from hybridserve.serving.openai.models import check_model
+from hybridserve.serving.openai.prompt import Prompt, PromptRenderer
 from hybridserve.serving.openai.protocol import SamplingRequest
-from hybridserve.serving.openai.responses.events import response_events
+from hybridserve.serving.openai.responses.events import ResponseRun
 from hybridserve.serving.openai.responses.protocol import (
     ResponsesRequest,
     base_response,
     check_response_id,
-    finished_response,
-    item_message,
+    conversation_messages,
     new_id,
-    output_text,
     response_not_found,
 )
 from hybridserve.serving.openai.responses.store import ResponseStore
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect
+from hybridserve.serving.openai.tools import ToolRequest, output_parser, tool_request
+from hybridserve.serving.parsers import Parsers
 
 RENAMES = {"max_tokens": "max_output_tokens"}
 
 
 class ResponsesService:
-    def __init__(self, engine, metrics: ServingMetrics, store: ResponseStore) -> None:
+    def __init__(self, engine, metrics: ServingMetrics, store: ResponseStore, parsers: Parsers) -> None:
         self.engine = engine
         self.metrics = metrics
         self.store = store
+        self.parsers = parsers
+        self.renderer = PromptRenderer(engine.tokenizer)
         self.vocab_size = len(engine.tokenizer)
 
     async def create(self, req: ResponsesRequest, request: Request) -> Response:
         arrival = time.monotonic()
         check_model(self.engine, req.model)
         req.check_supported()
-        items = req.input_items()
+        tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, nested=False)
+        items = req.input_items(self.store.item)
         if not items:
             raise APIError(400, "input must contain at least one item.", param="input", code="invalid_value")
-        messages = self._history(req.previous_response_id) + [item_message(item) for item in items]
-        instructions = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
+        conversation = self._history(req.previous_response_id) + items
         sampling = SamplingRequest(temperature=req.temperature, top_p=req.top_p, user=req.user)
         params = sampling.sampling_params(None, req.max_output_tokens, RENAMES, self.vocab_size)
-        prompt = self._prompt(instructions, messages, len(items), params.max_tokens, req.truncation)
+        prompt = self._prompt(req.instructions, conversation, len(items), tools, params.max_tokens, req.truncation)
         params = fit_to_context(
             params,
-            len(prompt),
+            len(prompt.ids),
             self.engine.max_model_len,
             what="input",
             max_tokens_param="max_output_tokens",
             renames=RENAMES,
         )
-        response_id, item_id = new_id("resp"), new_id("msg")
-        run = GenerationRun(self.engine, self.metrics, response_id, [prompt], [params], arrival)
+        response_id = new_id("resp")
+        run = GenerationRun(self.engine, self.metrics, response_id, [prompt.ids], [params], arrival)
         base = base_response(req, response_id, self.engine.model_name)
 
         def finish(response: dict[str, Any]) -> None:
             if req.store:
-                self.store.put(response, items, messages)
+                self.store.put(response, items, conversation)
 
+        response = ResponseRun(run, base, output_parser(self.parsers, prompt.text, tools), finish)
         if req.stream:
-            return EventStreamResponse(response_events(run, base, item_id, finish))
-        return await cancel_on_disconnect(request, _complete(run, base, item_id, finish))
+            return EventStreamResponse(response.events(stream=True))
+        return await cancel_on_disconnect(request, _complete(response))
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
         check_response_id(response_id, "response_id")
@@ -110,23 +113,27 @@ class ResponsesService:
 
     def _prompt(
         self,
-        instructions: list[dict[str, Any]],
-        messages: list[dict[str, Any]],
+        instructions: str | None,
+        conversation: list[dict[str, Any]],
         num_input: int,
+        tools: ToolRequest,
         max_tokens: int | None,
         truncation: str | None,
-    ) -> list[int]:
-        """The prompt ids; with truncation "auto", the oldest turns are dropped (whole messages) until the
+    ) -> Prompt:
+        """The prompt; with truncation "auto", the oldest turns are dropped (whole messages) until the
         prompt leaves room for `max_tokens` (or 1 token). Instructions, system/developer messages and the
         newest user input (from the last user message of this turn on) are never dropped. When even those do
         not fit, the full prompt is returned and fit_to_context answers the same 400 as "disabled"."""
+        system = [] if instructions is None else [{"role": "system", "content": instructions}]
+        messages = conversation_messages(conversation)
+        num_input = len(conversation_messages(conversation[len(conversation) - num_input :]))
 
-        def render(kept: list[dict[str, Any]]) -> list[int]:
-            return render_messages(self.engine.tokenizer, instructions + kept, param="input")
+        def render(kept: list[dict[str, Any]]) -> Prompt:
+            return self.renderer.render(system + kept, tools.template_tools(), param="input")
 
         prompt = render(messages)
         room = self.engine.max_model_len - (max_tokens or 1)
-        if truncation != "auto" or len(prompt) <= room:
+        if truncation != "auto" or len(prompt.ids) <= room:
             return prompt
         users = [i for i, m in enumerate(messages) if m["role"] == "user" and i >= len(messages) - num_input]
         newest = users[-1] if users else len(messages) - 1
@@ -134,24 +141,24 @@ class ResponsesService:
         for n in range(1, len(droppable) + 1):
             dropped = set(droppable[:n])
             kept = render([m for i, m in enumerate(messages) if i not in dropped])
-            if len(kept) <= room:
+            if len(kept.ids) <= room:
                 return kept
         return prompt
 
     def _history(self, previous_response_id: str | None) -> list[dict[str, Any]]:
-        """Every earlier turn's messages and assistant output, in order (instructions are not carried over)."""
+        """Every earlier turn's items, input and output, in order (instructions are not carried over)."""
         if previous_response_id is None:
             return []
         check_response_id(previous_response_id, "previous_response_id")
         response = self.store.get(previous_response_id)
-        messages = self.store.prompt_messages(previous_response_id)
-        if response is None or messages is None:
+        conversation = self.store.conversation(previous_response_id)
+        if response is None or conversation is None:
             raise response_not_found(previous_response_id, "previous_response_id")
-        return [*messages, {"role": "assistant", "content": output_text(response)}]
+        return [*conversation, *response["output"]]
 
 
-async def _complete(run: GenerationRun, base: dict[str, Any], item_id: str, finish) -> Response:
-    [(out, _)] = await run.collect(want_logprobs=False)
-    response = finished_response(base, item_id, out.text, out.finish_reason, run.usage())
-    finish(response)
-    return json_response(response)
+async def _complete(response: ResponseRun) -> Response:
+    async for _ in response.events(stream=False):
+        pass
+    assert response.final is not None
+    return json_response(response.final)

@@ -1,4 +1,8 @@
-"""The response store: stored Responses, their input items and prompt messages, in one SQLite file.
+"""The response store: stored Responses, their input items and the conversations they continued, in SQLite.
+
+`responses.prompt_messages` holds the conversation a response continued: the items of every earlier turn
+and this turn's input, in order (rows written before tool support hold plain chat messages, which read as
+message items). Input and output items are indexed by id for `item_reference` inputs.
 
 Calls are synchronous and small (one indexed read, or one transaction of a few inserts, in WAL mode with
 synchronous=NORMAL), so the service makes them on the event loop; a lock serialises the shared connection
@@ -34,6 +38,15 @@ CREATE TABLE IF NOT EXISTS response_input_items (
     item TEXT NOT NULL,
     PRIMARY KEY (response_id, position)
 );
+CREATE TABLE IF NOT EXISTS response_output_items (
+    response_id TEXT NOT NULL REFERENCES responses(id) ON DELETE CASCADE,
+    position INTEGER NOT NULL,
+    item_id TEXT NOT NULL,
+    item TEXT NOT NULL,
+    PRIMARY KEY (response_id, position)
+);
+CREATE INDEX IF NOT EXISTS input_items_by_id ON response_input_items (item_id);
+CREATE INDEX IF NOT EXISTS output_items_by_id ON response_output_items (item_id);
 """
 DAY_S = 24 * 60 * 60
 
@@ -82,12 +95,13 @@ class ResponseStore:
             self._db.close()
 
     def put(
-        self, response: dict[str, Any], input_items: list[dict[str, Any]], prompt_messages: list[dict[str, Any]]
+        self, response: dict[str, Any], input_items: list[dict[str, Any]], conversation: list[dict[str, Any]]
     ) -> None:
-        """Stores (or replaces) `response` with this turn's input items and the conversation it continued,
-        then evicts the oldest others beyond the retention limits (never `response` itself: a client is
-        never handed an id that already answers 404)."""
+        """Stores (or replaces) `response` with this turn's input items and the conversation it continued
+        (ending with those inputs), then evicts the oldest others beyond the retention limits (never
+        `response` itself: a client is never handed an id that already answers 404)."""
         rows = [(response["id"], i, item["id"], json.dumps(item)) for i, item in enumerate(input_items)]
+        outputs = [(response["id"], i, item["id"], json.dumps(item)) for i, item in enumerate(response["output"])]
         with self._lock:
             self._db.execute("BEGIN")
             try:
@@ -95,9 +109,10 @@ class ResponseStore:
                 self._db.execute(
                     "INSERT INTO responses (id, created_at, response, prompt_messages, seq) "
                     "VALUES (?, ?, ?, ?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM responses))",
-                    (response["id"], response["created_at"], json.dumps(response), json.dumps(prompt_messages)),
+                    (response["id"], response["created_at"], json.dumps(response), json.dumps(conversation)),
                 )
                 self._db.executemany("INSERT INTO response_input_items VALUES (?, ?, ?, ?)", rows)
+                self._db.executemany("INSERT INTO response_output_items VALUES (?, ?, ?, ?)", outputs)
                 self._evict(response["id"])
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -124,9 +139,19 @@ class ResponseStore:
         row = self._one("SELECT response FROM responses WHERE id = ?", response_id)
         return None if row is None else json.loads(row[0])
 
-    def prompt_messages(self, response_id: str) -> list[dict[str, Any]] | None:
-        """The messages that preceded this response's output (without its instructions)."""
+    def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
+        """The items that preceded this response's output (without its instructions)."""
         row = self._one("SELECT prompt_messages FROM responses WHERE id = ?", response_id)
+        return None if row is None else json.loads(row[0])
+
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """The newest stored input or output item with this id."""
+        row = self._one(
+            "SELECT item FROM (SELECT item, rowid AS r, 0 AS o FROM response_output_items WHERE item_id = ?1 "
+            "UNION ALL SELECT item, rowid AS r, 1 AS o FROM response_input_items WHERE item_id = ?1) "
+            "ORDER BY r DESC, o LIMIT 1",
+            item_id,
+        )
         return None if row is None else json.loads(row[0])
 
     def delete(self, response_id: str) -> bool:

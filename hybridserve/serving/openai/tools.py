@@ -1,0 +1,243 @@
+"""Function tools in a request: validation, tool_choice, rendering into the prompt, and forced calls.
+
+Both endpoints normalise their own wire shapes (Chat nests `function`, Responses is flat) into one
+ToolRequest. Tool types other than function are accepted and ignored with a warning, as clients such as
+Codex declare built-in tools a self-hosted model cannot run.
+
+A chat template that knows no tools (SmolLM2's, for one) still serves agents: the tools, the assistant's
+earlier calls and the tool results are written into the messages in the Hermes format, which the hermes
+tool parser reads back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from hybridserve.serving.openai.errors import APIError
+from hybridserve.serving.parsers import Parsers, Piece, StreamParser, Text, ToolCall
+
+logger = logging.getLogger(__name__)
+
+NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+CHOICES = ("auto", "none", "required")
+
+
+@dataclass(frozen=True)
+class FunctionTool:
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+
+    def template_form(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": {**function, "parameters": self.parameters}}
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    tools: tuple[FunctionTool, ...] = ()
+    choice: str = "auto"  # auto, none, required, or the name of the one function to call
+    parallel: bool = True
+
+    @property
+    def parse_calls(self) -> bool:
+        """Whether the model's free text is parsed for calls (forced calls are read as JSON instead)."""
+        return bool(self.tools) and self.choice == "auto"
+
+    @property
+    def forced(self) -> bool:
+        return bool(self.tools) and self.choice not in ("auto", "none")
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        if not self.tools or self.choice == "none":
+            return None
+        return [tool.template_form() for tool in self.tools]
+
+    def forced_schema(self) -> dict[str, Any]:
+        """The JSON the output must be: the named function's arguments, or a list of calls for "required"."""
+        if self.choice != "required":
+            return self._tool(self.choice).parameters
+        call = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for tool in self.tools
+        ]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return schema
+
+    def forced_calls(self, text: str) -> list[ToolCall | Text]:
+        """The calls in a forced output; text that is not the expected JSON (cut by max_tokens) stays text."""
+        if self.choice != "required":
+            return [ToolCall(self.choice, text.strip())] if _is_json(text) else [Text(text)]
+        try:
+            calls = json.loads(text)
+            return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+        except (ValueError, TypeError, KeyError):
+            return [Text(text)]
+
+    def _tool(self, name: str) -> FunctionTool:
+        return next(tool for tool in self.tools if tool.name == name)
+
+
+class ForcedCallParser:
+    """A forced call's output is JSON (enforced by a grammar): held whole, then read as calls."""
+
+    in_reasoning = False
+
+    def __init__(self, tools: ToolRequest) -> None:
+        self.tools = tools
+        self._text: list[str] = []
+
+    def feed(self, delta: str) -> list[Piece]:
+        self._text.append(delta)
+        return []
+
+    def finish(self) -> list[Piece]:
+        return list(self.tools.forced_calls("".join(self._text)))
+
+
+def output_parser(parsers: Parsers, prompt_text: str, tools: ToolRequest) -> StreamParser:
+    """The parser for one generation of a request with these tools."""
+    if tools.forced:
+        return ForcedCallParser(tools)
+    return parsers.for_request(prompt_text, tools.parse_calls)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def tool_request(
+    tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None, *, nested: bool
+) -> ToolRequest:
+    """Validates `tools` and `tool_choice` as sent to Chat (`nested`: `{"function": {...}}`) or Responses."""
+    functions: list[FunctionTool] = []
+    for i, tool in enumerate(tools or []):
+        param = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise APIError(400, f"'{param}' must be an object.", param=param)
+        if tool.get("type") != "function":
+            logger.warning("ignoring tool %s of type %r: only function tools are served", param, tool.get("type"))
+            continue
+        spec = tool.get("function") if nested else tool
+        if nested:
+            param = f"{param}.function"
+            if not isinstance(spec, dict):
+                raise APIError(400, f"Missing required parameter: '{param}'.", param=param)
+        functions.append(_function(spec, param))
+        if functions[-1].name in (f.name for f in functions[:-1]):
+            raise APIError(400, f"Duplicate function name {functions[-1].name!r} in tools.", param=f"{param}.name")
+    return ToolRequest(tuple(functions), _choice(tool_choice, functions, nested), parallel is not False)
+
+
+def _function(spec: dict[str, Any], param: str) -> FunctionTool:
+    name = spec.get("name")
+    if not isinstance(name, str):
+        raise APIError(400, f"Missing required parameter: '{param}.name'.", param=f"{param}.name")
+    if not NAME.match(name):
+        raise APIError(
+            400,
+            f"Invalid '{param}.name': {name!r}. Expected a string of 1 to 64 letters, digits, underscores or dashes.",
+            param=f"{param}.name",
+            code="invalid_value",
+        )
+    parameters = spec.get("parameters")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise APIError(400, f"'{param}.parameters' must be a JSON schema object.", param=f"{param}.parameters")
+    description = spec.get("description")
+    return FunctionTool(name, description if isinstance(description, str) else None, parameters)
+
+
+def _choice(choice: Any, functions: list[FunctionTool], nested: bool) -> str:
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in CHOICES:
+            raise APIError(
+                400,
+                f"Invalid value for 'tool_choice': {choice!r}. Expected one of {', '.join(CHOICES)}, "
+                "or a function to call.",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        name = choice
+    else:
+        spec = choice.get("function") if nested and isinstance(choice, dict) else choice
+        name = spec.get("name") if isinstance(spec, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+            form = '{"type": "function", "function": {"name": ...}}' if nested else '{"type": "function", "name": ...}'
+            raise APIError(400, f"'tool_choice' must be a string or {form}.", param="tool_choice")
+    if name in ("auto", "none"):
+        return name
+    if not functions:
+        raise APIError(
+            400,
+            "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified.",
+            param="tool_choice",
+        )
+    if name != "required" and name not in (f.name for f in functions):
+        raise APIError(400, f"tool_choice names function {name!r}, which is not in tools.", param="tool_choice")
+    return name
+
+
+def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """`messages` with tools, calls and results written as Hermes text, for templates that know no tools."""
+    out = []
+    for message in messages:
+        role = message["role"]
+        content = message.get("content") or ""
+        if role == "assistant" and message.get("tool_calls"):
+            calls = [_hermes_call(call["function"]) for call in message["tool_calls"]]
+            content = "\n".join(([content] if content else []) + calls)
+            out.append({"role": "assistant", "content": content})
+        elif role == "tool":
+            result = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1].get("tool_results"):  # consecutive results share one turn
+                out[-1]["content"] += "\n" + result
+            else:
+                out.append({"role": "user", "content": result, "tool_results": True})
+        else:
+            out.append({"role": role, "content": content})
+    for message in out:
+        message.pop("tool_results", None)
+    if tools:
+        declarations = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
+        block = (
+            "# Tools\n\nYou may call one or more of these functions to help with the user's request. "
+            f"Their signatures, one per line:\n<tools>\n{declarations}\n</tools>\n\n"
+            "To call a function, write one block per call:\n"
+            '<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>'
+        )
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+def _hermes_call(function: dict[str, Any]) -> str:
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):
+            arguments = json.loads(arguments)
+    body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"

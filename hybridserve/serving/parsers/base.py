@@ -1,0 +1,53 @@
+"""What parsers turn a model's generated text into: reasoning, visible text and tool calls, as they stream.
+
+Parsers are incremental: `feed(delta)` returns the pieces that are certain so far and holds back any tail
+that could still be the start of a marker, so a marker split across deltas never reaches the client as
+text; `finish()` flushes what is left when the generation ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    text: str
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON text, as the API sends it
+
+
+Piece = Reasoning | Text | ToolCall
+
+
+def held_back(buffer: str, markers: tuple[str, ...]) -> int:
+    """Where the longest suffix of `buffer` that is a proper prefix of some marker starts (len if none)."""
+    longest = max(map(len, markers)) - 1
+    for start in range(max(0, len(buffer) - longest), len(buffer)):
+        tail = buffer[start:]
+        if any(marker.startswith(tail) for marker in markers):
+            return start
+    return len(buffer)
+
+
+def merged(pieces: list[Piece]) -> list[Piece]:
+    """Adjacent reasoning or text pieces joined; empty ones dropped."""
+    out: list[Piece] = []
+    for piece in pieces:
+        if isinstance(piece, Reasoning | Text):
+            if not piece.text:
+                continue
+            if out and type(out[-1]) is type(piece):
+                out[-1] = type(piece)(out[-1].text + piece.text)  # type: ignore[union-attr]
+                continue
+        out.append(piece)
+    return out
