@@ -67,6 +67,7 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        await responses.background.shutdown()  # what still runs is stored as cancelled
         store.close()  # flushes the WAL into the database file
 
     app = FastAPI(title="hybridserve", version=version(), lifespan=lifespan)
@@ -117,8 +118,14 @@ def build_app(
         return await responses.create(await parse_body(request, ResponsesRequest), request)
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str) -> Response:
+    async def retrieve_response(response_id: str, stream: bool = False, starting_after: int | None = None):
+        if stream:
+            return responses.replay(response_id, starting_after)
         return json_response(responses.retrieve(response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        return json_response(await responses.cancel(response_id))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:

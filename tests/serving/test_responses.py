@@ -70,6 +70,7 @@ def expected_response(body: dict, **fields) -> dict:
         "usage": USAGE_37_8,
         "metadata": {},
         "prompt_cache_key": None,
+        "background": False,
     }
     out.update(fields)
     return out
@@ -389,13 +390,6 @@ def test_restart_keeps_stored_responses(tokenizer, tmp_path):
             "Response with id 'resp_unknown' not found.",
             "previous_response_id",
             "not_found",
-        ),
-        (
-            {"input": ASK, "background": True},
-            400,
-            "background: true is not supported yet.",
-            "background",
-            "unsupported_value",
         ),
         (
             {"input": ASK, "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},

@@ -13,7 +13,12 @@ from typing import Any
 from hybridserve.serving.openai.errors import APIError
 from hybridserve.serving.openai.generation import GenerationRun
 from hybridserve.serving.openai.responses.output import EventWriter, OutputBuilder
-from hybridserve.serving.openai.responses.protocol import failed_response, finished_response, usage
+from hybridserve.serving.openai.responses.protocol import (
+    cancelled_response,
+    failed_response,
+    finished_response,
+    usage,
+)
 from hybridserve.serving.parsers import StreamParser
 
 
@@ -28,15 +33,24 @@ class ResponseRun:
         self.parser = parser
         self.finish = finish
         self.final: dict[str, Any] | None = None
+        self.output = OutputBuilder(None)
 
-    async def events(self, stream: bool) -> AsyncIterator[bytes]:
-        """The event stream (`stream`), or nothing but `final` set; a non-streamed failure raises APIError."""
+    def cancelled(self) -> dict[str, Any]:
+        """The response as it stands when cancelled: the output so far, the tokens spent."""
+        return cancelled_response(self.base, self.output.cut(), usage(self.run.usage()))
+
+    async def events(self, stream: bool, background: bool = False) -> AsyncIterator[bytes]:
+        """The event stream (`stream`), or nothing but `final` set; a non-streamed failure raises APIError.
+
+        A `background` run's base object is `queued`: its stream says so before it goes in_progress."""
         run, parser = self.run, self.parser
         event = EventWriter() if stream else None
-        out_items = OutputBuilder(event)
+        out_items = self.output = OutputBuilder(event)
         if event is not None:
             yield event("response.created", response=self.base)
-            yield event("response.in_progress", response=self.base)
+            if background:
+                yield event("response.queued", response=self.base)
+            yield event("response.in_progress", response={**self.base, "status": "in_progress"})
         # Tokens inside the reasoning block, its markers included. Tokens whose text the parser holds back
         # (a marker's first characters) are counted once it is known whether they opened a block.
         reasoning_tokens = held = 0

@@ -71,6 +71,13 @@ class OutputBuilder:
         if self._open is not None:
             yield from self._close(status)
 
+    def cut(self) -> list[dict[str, Any]]:
+        """The items so far, an open one included as incomplete; no events (the output was cut short)."""
+        if self._open is None:
+            return list(self.items)
+        part = reasoning_text_part if self._open["type"] == "reasoning" else output_text_part
+        return [*self.items, {**self._open, "status": "incomplete", "content": [part("".join(self._text))]}]
+
     def _start(self, kind: str | None) -> Iterator[bytes]:
         if kind == "reasoning":
             item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}

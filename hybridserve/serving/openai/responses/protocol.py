@@ -63,8 +63,8 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
 
     def check_supported(self) -> None:
-        if self.background:
-            raise not_supported("background: true", "background")
+        if self.background and self.store is False:
+            raise APIError(400, "Background mode requires 'store' to be true.", param="background")
         fmt = (self.text or {}).get("format")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
             kind = fmt.get("type") if isinstance(fmt, dict) else fmt
@@ -228,6 +228,7 @@ def base_response(req: ResponsesRequest, response_id: str, model: str) -> dict[s
         "truncation": req.truncation or "disabled",
         "metadata": req.metadata or {},
         "prompt_cache_key": req.prompt_cache_key,
+        "background": bool(req.background),
     }
     if req.user is not None:
         body["user"] = req.user
@@ -255,6 +256,12 @@ def finished_response(
         "output": output,
         "usage": usage_body,
     }
+
+
+def cancelled_response(
+    base: dict[str, Any], output: list[dict[str, Any]], usage_body: dict[str, Any]
+) -> dict[str, Any]:
+    return {**base, "status": "cancelled", "output": output, "usage": usage_body}
 
 
 def failed_response(base: dict[str, Any], error: APIError, chat_usage: dict[str, Any]) -> dict[str, Any]:

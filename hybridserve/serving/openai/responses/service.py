@@ -6,6 +6,7 @@ GenerationRun, so usage, metrics, engine failures and client disconnects behave 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from hybridserve.serving.openai.generation import GenerationRun, fit_to_context
 from hybridserve.serving.openai.models import check_model
 from hybridserve.serving.openai.prompt import Prompt, PromptRenderer
 from hybridserve.serving.openai.protocol import SamplingRequest
+from hybridserve.serving.openai.responses.background import BackgroundRuns
 from hybridserve.serving.openai.responses.events import ResponseRun
 from hybridserve.serving.openai.responses.protocol import (
     ResponsesRequest,
@@ -33,6 +35,8 @@ from hybridserve.serving.openai.tools import ToolRequest, output_parser, tool_re
 from hybridserve.serving.parsers import Parsers
 
 RENAMES = {"max_tokens": "max_output_tokens"}
+UNFINISHED = "The server stopped before this response finished."
+logger = logging.getLogger(__name__)
 
 
 class ResponsesService:
@@ -43,6 +47,9 @@ class ResponsesService:
         self.parsers = parsers
         self.renderer = PromptRenderer(engine.tokenizer)
         self.vocab_size = len(engine.tokenizer)
+        self.background = BackgroundRuns(store)
+        for response_id in store.fail_unfinished(UNFINISHED):
+            logger.warning("response %s was unfinished when the server last stopped: stored as failed", response_id)
 
     async def create(self, req: ResponsesRequest, request: Request) -> Response:
         arrival = time.monotonic()
@@ -73,6 +80,13 @@ class ResponsesService:
                 self.store.put(response, items, conversation)
 
         response = ResponseRun(run, base, output_parser(self.parsers, prompt.text, tools), finish)
+        if req.background:
+            base["status"] = "queued"
+            self.store.put(base, items, conversation)
+            self.background.start(response)
+            if req.stream:  # a disconnect only stops following: the run goes on
+                return EventStreamResponse(self.background.events(response_id, -1))
+            return json_response(base)
         if req.stream:
             return EventStreamResponse(response.events(stream=True))
         return await cancel_on_disconnect(request, _complete(response))
@@ -82,6 +96,27 @@ class ResponsesService:
         response = self.store.get(response_id)
         if response is None:
             raise response_not_found(response_id)
+        return response
+
+    def replay(self, response_id: str, starting_after: int | None) -> Response:
+        """`GET ?stream=true`: a background response's events after `starting_after`, live while it runs."""
+        response = self.retrieve(response_id)
+        if not response.get("background"):
+            raise APIError(400, "Only responses created with background=true can be streamed again.", param="stream")
+        after = -1 if starting_after is None else starting_after
+        if after < -1:
+            raise APIError(400, "starting_after must be at least 0.", param="starting_after", code="invalid_value")
+        return EventStreamResponse(self.background.events(response_id, after))
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        response = self.retrieve(response_id)
+        if not response.get("background"):
+            raise APIError(400, "Only responses created with background=true can be cancelled.", param="response_id")
+        if self.background.is_live(response_id):
+            await self.background.cancel(response_id)
+            return self.retrieve(response_id)
+        if response["status"] != "cancelled":
+            raise APIError(400, f"Cannot cancel a response with status '{response['status']}'.", param="response_id")
         return response
 
     def delete(self, response_id: str) -> dict[str, Any]:

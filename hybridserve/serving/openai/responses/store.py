@@ -45,6 +45,12 @@ CREATE TABLE IF NOT EXISTS response_output_items (
     item TEXT NOT NULL,
     PRIMARY KEY (response_id, position)
 );
+CREATE TABLE IF NOT EXISTS response_events (
+    response_id TEXT NOT NULL REFERENCES responses(id) ON DELETE CASCADE,
+    sequence_number INTEGER NOT NULL,
+    frame BLOB NOT NULL,
+    PRIMARY KEY (response_id, sequence_number)
+);
 CREATE INDEX IF NOT EXISTS input_items_by_id ON response_input_items (item_id);
 CREATE INDEX IF NOT EXISTS output_items_by_id ON response_output_items (item_id);
 """
@@ -118,6 +124,47 @@ class ResponseStore:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    def replace(self, response: dict[str, Any]) -> None:
+        """A new state of a stored response (its input and conversation stay)."""
+        outputs = [(response["id"], i, item["id"], json.dumps(item)) for i, item in enumerate(response["output"])]
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.execute("UPDATE responses SET response = ? WHERE id = ?", (json.dumps(response), response["id"]))
+            self._db.execute("DELETE FROM response_output_items WHERE response_id = ?", (response["id"],))
+            self._db.executemany("INSERT INTO response_output_items VALUES (?, ?, ?, ?)", outputs)
+            self._db.execute("COMMIT")
+
+    def put_events(self, response_id: str, frames: list[bytes]) -> None:
+        """A background response's stream, frame i being sequence number i (nothing if it was evicted)."""
+        rows = [(response_id, i, frame) for i, frame in enumerate(frames)]
+        with self._lock:
+            self._db.execute("BEGIN")
+            if self._db.execute("SELECT 1 FROM responses WHERE id = ?", (response_id,)).fetchone():
+                self._db.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
+                self._db.executemany("INSERT INTO response_events VALUES (?, ?, ?)", rows)
+            self._db.execute("COMMIT")
+
+    def events(self, response_id: str) -> list[bytes]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT frame FROM response_events WHERE response_id = ? ORDER BY sequence_number", (response_id,)
+            ).fetchall()
+        return [bytes(frame) for (frame,) in rows]
+
+    def fail_unfinished(self, message: str) -> list[str]:
+        """Marks responses stored as queued or in progress (their server stopped under them) failed."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT response FROM responses WHERE json_extract(response, '$.status') IN ('queued', 'in_progress')"
+            ).fetchall()
+        failed = []
+        for (text,) in rows:
+            response = json.loads(text)
+            response.update(status="failed", error={"code": "server_error", "message": message})
+            self.replace(response)
+            failed.append(response["id"])
+        return failed
 
     def _evict(self, keep_id: str) -> None:
         if self.retention.max_age_s:

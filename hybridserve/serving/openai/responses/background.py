@@ -1,0 +1,95 @@
+"""Background Responses: runs that outlive the request that started them, and their replayable events.
+
+A background response is stored as `queued` before the POST answers, then runs in a task of its own, so a
+client that goes away loses nothing. Its events are kept in memory while it runs (any number of followers
+read them live, from any `starting_after`) and written to the store with the terminal object, so
+`GET /v1/responses/{id}?stream=true` replays them after it ends, also after a restart.
+
+Cancelling stops the engine work and stores the response as `cancelled`, with the output built so far.
+The event stream then ends without a terminal event: the API has none for a cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from hybridserve.serving.openai.responses.events import ResponseRun
+from hybridserve.serving.openai.responses.store import ResponseStore
+
+logger = logging.getLogger(__name__)
+
+
+class _Live:
+    def __init__(self, response: ResponseRun) -> None:
+        self.response = response
+        self.frames: list[bytes] = []  # frame i has sequence_number i
+        self.changed = asyncio.Condition()
+        self.task: asyncio.Task[None] | None = None
+
+
+class BackgroundRuns:
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+        self._live: dict[str, _Live] = {}
+
+    def start(self, response: ResponseRun) -> None:
+        live = _Live(response)
+        self._live[response.base["id"]] = live
+        live.task = asyncio.create_task(self._run(live), name=f"background {response.base['id']}")
+
+    async def _run(self, live: _Live) -> None:
+        response_id = live.response.base["id"]
+        try:
+            async for frame in live.response.events(stream=True, background=True):
+                async with live.changed:
+                    live.frames.append(frame)
+                    live.changed.notify_all()
+            self.store.put_events(response_id, live.frames)
+        except asyncio.CancelledError:
+            cancelled = live.response.cancelled()
+            self.store.replace(cancelled)
+            self.store.put_events(response_id, live.frames)
+        except Exception:  # ResponseRun turns engine failures into events; anything else is a bug
+            logger.exception("background response %s failed", response_id)
+        finally:
+            del self._live[response_id]
+            async with live.changed:
+                live.changed.notify_all()
+
+    def is_live(self, response_id: str) -> bool:
+        return response_id in self._live
+
+    async def cancel(self, response_id: str) -> None:
+        live = self._live.get(response_id)
+        if live is not None and live.task is not None:
+            live.task.cancel()
+            await asyncio.wait([live.task])
+
+    async def events(self, response_id: str, starting_after: int) -> AsyncIterator[bytes]:
+        """Events after `starting_after`: live ones as they come, or the stored ones of a finished run."""
+        live = self._live.get(response_id)
+        if live is None:
+            for frame in self.store.events(response_id)[starting_after + 1 :]:
+                yield frame
+            return
+        sent = starting_after + 1
+        while True:
+            async with live.changed:
+                while sent >= len(live.frames) and self.is_live(response_id):
+                    await live.changed.wait()
+                frames = live.frames[sent:]
+            for frame in frames:
+                yield frame
+            sent += len(frames)
+            if not frames and not self.is_live(response_id):
+                return
+
+    async def shutdown(self) -> None:
+        """Cancels what still runs (the server is stopping): those responses are stored as cancelled."""
+        tasks = [live.task for live in self._live.values() if live.task is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
