@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
@@ -20,7 +20,7 @@ from hybridserve.engine.client import ProcessEngineClient
 from hybridserve.engine.fanout import expand
 from hybridserve.engine.output_processor import SequenceOutput
 from hybridserve.engine.outputs import RequestOutput
-from hybridserve.engine.protocol import EngineCoreOutput, SchedulerStats
+from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats
 from hybridserve.models.loader import resolve_model
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import load_tokenizer
@@ -42,14 +42,20 @@ def eos_token_ids(hf_dir: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]
 
 class AsyncLLM:
     def __init__(
-        self, client: ProcessEngineClient, tokenizer: PreTrainedTokenizerBase, model_name: str, eos_ids: list[int]
+        self,
+        client: ProcessEngineClient,
+        tokenizer: PreTrainedTokenizerBase,
+        model_name: str,
+        eos_ids: list[int],
+        hf_dir: Path,
     ) -> None:
         self.client = client
+        self.hf_dir = hf_dir  # the tokenizer's files, for processes that load their own
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = client.ready.max_model_len
         self.eos_token_ids = eos_ids
-        self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        self._routes: dict[str, Callable[[EngineCoreOutput], None]] = {}  # engine request id → its reader
         self._stats = SchedulerStats()
         self._reader: asyncio.Task[None] | None = None
         self._dead: str | None = None
@@ -59,9 +65,8 @@ class AsyncLLM:
         resolved = resolve_model(config.model)
         tokenizer = load_tokenizer(resolved.hf_dir)
         client = ProcessEngineClient(config, resolved.hf_dir)
-        return cls(
-            client, tokenizer, config.served_model_name or resolved.name, eos_token_ids(resolved.hf_dir, tokenizer)
-        )
+        name = config.served_model_name or resolved.name
+        return cls(client, tokenizer, name, eos_token_ids(resolved.hf_dir, tokenizer), resolved.hf_dir)
 
     def stats(self) -> SchedulerStats:
         return self._stats
@@ -81,14 +86,14 @@ class AsyncLLM:
                 if batch.stats is not None:
                     self._stats = batch.stats
                 for out in batch.outputs:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
+                    route = self._routes.get(out.request_id)
+                    if route is not None:
+                        route(out)
         except Exception as exc:  # the worker died: fail every waiting request, loudly
             self._dead = str(exc)
             logger.exception("engine output reader stopped")
-            for rid, queue in self._queues.items():
-                queue.put_nowait(EngineCoreOutput(rid, [], finish_reason="error", error=self._dead))
+            for rid, route in list(self._routes.items()):
+                route(EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, error=self._dead))
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
@@ -101,7 +106,7 @@ class AsyncLLM:
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         seqs = {c.request_id: SequenceOutput(self.tokenizer, c, i) for i, c in enumerate(children)}
         for rid in seqs:
-            self._queues[rid] = queue
+            self._routes[rid] = queue.put_nowait
         try:
             for child in children:
                 self.client.add_request(child)
@@ -121,13 +126,27 @@ class AsyncLLM:
         finally:
             unfinished = [rid for rid, seq in seqs.items() if not seq.finished]
             for rid in seqs:
-                self._queues.pop(rid, None)
+                self._routes.pop(rid, None)
             if unfinished:
                 self.client.abort(unfinished)
 
+    async def add_raw_request(self, request: EngineCoreRequest, route: Callable[[EngineCoreOutput], None]) -> None:
+        """Runs one engine request whose raw outputs go to `route` (post-processing workers turn them into
+        text); `release` ends it. An engine failure reaches `route` as an output with finish reason error."""
+        await self.check_health()
+        self._ensure_reader()
+        self._routes[request.request_id] = route
+        self.client.add_request(request)
+
+    def release(self, request_id: str, abort: bool) -> None:
+        """Stops routing a raw request's outputs; `abort` also stops the engine's work on it."""
+        self._routes.pop(request_id, None)
+        if abort:
+            self.client.abort([request_id])
+
     async def abort(self, request_id: str) -> None:
         """Abort a request by the id given to generate (all of its choices)."""
-        ids = [rid for rid in self._queues if rid == request_id or rid.startswith(f"{request_id}-")]
+        ids = [rid for rid in self._routes if rid == request_id or rid.startswith(f"{request_id}-")]
         if ids:
             self.client.abort(ids)
 

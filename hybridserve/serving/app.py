@@ -31,6 +31,7 @@ from hybridserve.serving.openai.responses.protocol import ResponsesRequest
 from hybridserve.serving.openai.responses.service import ResponsesService
 from hybridserve.serving.openai.responses.store import ResponseStore, Retention
 from hybridserve.serving.parsers import Parsers
+from hybridserve.serving.postprocess import PostprocessPool
 
 DATABASE_FILE = "hybridserve.sqlite3"
 
@@ -48,19 +49,21 @@ def build_app(
     data_dir: str | Path | None = None,
     retention: Retention | None = None,
     parsers: Parsers | None = None,
+    postprocess: PostprocessPool | None = None,
 ) -> FastAPI:
     """An app serving `engine` (an AsyncLLM); with `api_key`, every /v1 route requires that Bearer token.
 
     Stored state (the response store) lives in one SQLite file under `data_dir`; None keeps it in memory.
     `retention` bounds the stored responses by count and age (default: Retention()). `parsers` reads
     reasoning and tool calls out of the output (default: what the model's chat template shows).
+    `postprocess` (owned by the caller) takes the Responses API's text and event work off the event loop.
     """
     metrics = ServingMetrics(engine.model_name, engine.stats)
     store = ResponseStore(":memory:" if data_dir is None else Path(data_dir) / DATABASE_FILE, retention)
     if parsers is None:
         parsers = default_parsers(engine.tokenizer)
     chat = ChatService(engine, metrics, parsers)
-    responses = ResponsesService(engine, metrics, store, parsers)
+    responses = ResponsesService(engine, metrics, store, parsers, postprocess)
     completions = CompletionService(engine, metrics)
     models = ModelsService(engine)
 

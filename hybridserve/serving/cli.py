@@ -160,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="how tool calls are read out of the output (auto: from the chat template, hermes for templates "
         "without tools, which get tools in the Hermes form; none: calls stay text)",
     )
+    serve.add_argument(
+        "--num-postprocess-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="processes that detokenize, parse and build events for the Responses API off the HTTP event loop "
+        "(0: on the event loop; background responses always run there)",
+    )
     serve.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine random seed")
     serve.add_argument(
         "--log-level",
@@ -207,21 +215,29 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         config = engine_config(args)
     except InvalidParameter as exc:
         parser.error(f"--{exc.param.replace('_', '-')}: {exc}")
+    if args.num_postprocess_workers < 0:
+        parser.error(f"--num-postprocess-workers: must be at least 0, got {args.num_postprocess_workers}")
     for flag in ("response_store_max_count", "response_store_max_age"):
         if (value := getattr(args, flag)) < 0:
             parser.error(f"--{flag.replace('_', '-')}: must be at least 0 (0 means unlimited), got {value}")
     retention = Retention(args.response_store_max_count, args.response_store_max_age)
     from hybridserve.engine.async_llm import AsyncLLM  # heavy (torch): imported only to serve
     from hybridserve.serving.app import build_app, default_parsers
+    from hybridserve.serving.postprocess import PostprocessPool
 
     engine = AsyncLLM.from_config(config)
+    pool = None
     try:
         parsers = default_parsers(engine.tokenizer, args.reasoning_parser, args.tool_parser)
         logger.info("output parsers: reasoning %s, tools %s", parsers.reasoning, parsers.tool)
-        app = build_app(engine, args.api_key, args.data_dir, retention, parsers)
+        if args.num_postprocess_workers:
+            pool = PostprocessPool(engine.hf_dir, args.num_postprocess_workers)
+        app = build_app(engine, args.api_key, args.data_dir, retention, parsers, pool)
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         ReadyServer(server_config, engine.model_name).run()
     finally:
+        if pool is not None:
+            pool.shutdown()
         engine.shutdown()
 
 

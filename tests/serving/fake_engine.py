@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from hybridserve.engine.outputs import CompletionOutput, Logprob, RequestOutput, TopLogprob
-from hybridserve.engine.protocol import SchedulerStats
+from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats
 from hybridserve.sampling_params import InvalidParameter, SamplingParams
 
 
@@ -35,6 +35,8 @@ class FakeEngine:
         self.completed: list[str] = []
         self.running = 0
         self.dead = False
+        self.eos_token_ids = [2]
+        self._raw: dict[str, asyncio.Task] = {}
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -49,6 +51,44 @@ class FakeEngine:
     async def check_health(self) -> None:
         if self.dead:
             raise RuntimeError("engine process exited with code 1")
+
+    async def add_raw_request(self, request: EngineCoreRequest, route) -> None:
+        """The raw-output path (post-processing workers): the script's tokens as engine outputs, one per step."""
+        self.calls.append((request.prompt_token_ids, request.sampling_params, request.request_id))
+        self._raw[request.request_id] = asyncio.create_task(self._replay(request, route))
+
+    async def _replay(self, request: EngineCoreRequest, route) -> None:
+        script = self.scripts[0]
+        max_tokens = request.sampling_params.max_tokens
+        self.running += 1
+        try:
+            for step, token in enumerate(script):
+                if step == self.pause_at_step:
+                    self.paused.set()
+                    await self.resume.wait()
+                last = step + 1 == len(script) or token in request.eos_token_ids
+                finish = FinishReason.STOP if last else None
+                if finish is None and max_tokens is not None and step + 1 >= max_tokens:
+                    finish = FinishReason.LENGTH
+                if step == self.error_at_step:
+                    route(
+                        EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, error="CUDA error")
+                    )
+                    return
+                num_prompt = len(request.prompt_token_ids)
+                route(EngineCoreOutput(request.request_id, [token], None, finish, None, num_prompt, self.cached_tokens))
+                if finish is not None:
+                    self.completed.append(request.request_id)
+                    return
+                await asyncio.sleep(0)
+        finally:
+            self.running -= 1
+
+    def release(self, request_id: str, abort: bool) -> None:
+        task = self._raw.pop(request_id, None)
+        if abort and task is not None and not task.done():
+            task.cancel()
+            self.aborted.append(request_id)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -68,6 +68,58 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     }
 
 
+class RunAccounting:
+    """The metrics and usage counts of one API request's choices, fed each output as it arrives.
+
+    Choice `k * n + i` is sequence i of prompt k. Shared by GenerationRun and the post-processing path,
+    which sees only counts."""
+
+    def __init__(self, metrics: ServingMetrics, arrival: float, prompt_lens: list[int], n: int) -> None:
+        self.metrics = metrics
+        self.arrival = arrival
+        self.prompt_lens = prompt_lens
+        self.n = n
+        self.output_tokens = [0] * (len(prompt_lens) * n)
+        self.cached_tokens = [0] * len(prompt_lens)
+        self.finished = [False] * (len(prompt_lens) * n)
+        self._admitted = [False] * len(prompt_lens)
+        self._unfinished = [n] * len(prompt_lens)
+        self._last_token_at = [0.0] * (len(prompt_lens) * n)
+
+    def usage(self) -> dict:
+        return usage_body(sum(self.prompt_lens), sum(self.output_tokens), sum(self.cached_tokens))
+
+    def observe(
+        self, k: int, index: int, new_tokens: int, output_tokens: int, cached: int, finish_reason: str | None
+    ) -> None:
+        """Prompt k's choice `index` produced `new_tokens` (finishing with `finish_reason`, if set)."""
+        m, now = self.metrics, time.monotonic()
+        if not self._admitted[k]:
+            self._admitted[k] = True
+            m.prompt_tokens.inc(self.prompt_lens[k])
+            m.ttft.observe(now - self.arrival)
+        if new_tokens:
+            m.generation_tokens.inc(new_tokens)
+            if self._last_token_at[index]:
+                m.itl.observe(now - self._last_token_at[index])
+            self._last_token_at[index] = now
+        self.output_tokens[index] = output_tokens
+        self.cached_tokens[k] = max(self.cached_tokens[k], cached)
+        if finish_reason is not None and finish_reason not in ("error", "abort"):
+            self.finished[index] = True
+            m.outcomes[finish_reason].inc()
+            self._unfinished[k] -= 1
+            if not self._unfinished[k]:
+                m.e2e.observe(now - self.arrival)
+
+    def close(self, outcome: str | None) -> None:
+        """Counts every choice that did not finish as `outcome` (None: not counted, it never started)."""
+        if outcome is not None:
+            for done in self.finished:
+                if not done:
+                    self.metrics.outcomes[outcome].inc()
+
+
 class GenerationRun:
     """Runs `prompts` (each with its SamplingParams) and yields `(choice_index, output, finished)`.
 
@@ -85,18 +137,15 @@ class GenerationRun:
         arrival: float,
     ) -> None:
         self.engine = engine
-        self.metrics = metrics
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
         self.n = params[0].n
         self.num_choices = len(prompts) * self.n
-        self.arrival = arrival
-        self.output_tokens = [0] * self.num_choices
-        self.cached_tokens = [0] * len(prompts)
+        self.accounting = RunAccounting(metrics, arrival, list(map(len, prompts)), self.n)
 
     def usage(self) -> dict:
-        return usage_body(sum(map(len, self.prompts)), sum(self.output_tokens), sum(self.cached_tokens))
+        return self.accounting.usage()
 
     async def collect(self, want_logprobs: bool) -> list[tuple[CompletionOutput, list[Logprob]]]:
         """Runs to the end: each choice's final output and, if wanted, all its logprobs."""
@@ -114,42 +163,21 @@ class GenerationRun:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{k}"
 
     async def outputs(self) -> AsyncIterator[tuple[int, CompletionOutput, bool]]:
-        m, n = self.metrics, self.n
         streams = [
             self.engine.generate(p, sp, self._engine_request_id(k))
             for k, (p, sp) in enumerate(zip(self.prompts, self.params, strict=True))
         ]
         merged = _merge(streams)
-        admitted = [False] * len(self.prompts)
-        unfinished = [n] * len(self.prompts)
-        finished = [False] * self.num_choices
-        last_token_at = [0.0] * self.num_choices
+        acct = self.accounting
         outcome: str | None = "abort"  # what unfinished sequences count as if we leave early
         try:
             async for k, ro in merged:
-                now = time.monotonic()
                 out = ro.output
-                index = k * n + out.index
-                if not admitted[k]:
-                    admitted[k] = True
-                    m.prompt_tokens.inc(len(self.prompts[k]))
-                    m.ttft.observe(now - self.arrival)
-                if out.delta_token_ids:
-                    m.generation_tokens.inc(len(out.delta_token_ids))
-                    if last_token_at[index]:
-                        m.itl.observe(now - last_token_at[index])
-                    last_token_at[index] = now
-                self.output_tokens[index] = out.num_output_tokens
-                if ro.num_cached_tokens > self.cached_tokens[k]:
-                    self.cached_tokens[k] = ro.num_cached_tokens
+                index = k * self.n + out.index
+                reason = out.finish_reason if ro.finished else None
+                acct.observe(k, index, len(out.delta_token_ids), out.num_output_tokens, ro.num_cached_tokens, reason)
                 if out.finish_reason in ("error", "abort"):
-                    raise _engine_failure(out)
-                if ro.finished:
-                    finished[index] = True
-                    m.outcomes[out.finish_reason].inc()
-                    unfinished[k] -= 1
-                    if not unfinished[k]:
-                        m.e2e.observe(now - self.arrival)
+                    raise engine_failure(out.finish_reason, out.error)
                 yield index, out, ro.finished
         except APIError:
             outcome = "error"
@@ -165,15 +193,13 @@ class GenerationRun:
             await merged.aclose()
             for stream in streams:
                 await aclose(stream)
-            if outcome is not None:
-                for done in finished:
-                    if not done:
-                        m.outcomes[outcome].inc()
+            acct.close(outcome)
 
 
-def _engine_failure(out: CompletionOutput) -> APIError:
-    if out.finish_reason == "error":
-        return APIError(500, out.error or "The engine failed to serve the request.", type=SERVER_ERROR)
+def engine_failure(finish_reason: str, error: str | None) -> APIError:
+    """The error a client sees for an engine output that ended with "error" or "abort"."""
+    if finish_reason == "error":
+        return APIError(500, error or "The engine failed to serve the request.", type=SERVER_ERROR)
     return APIError(500, "The engine aborted the request before it finished.", type=SERVER_ERROR)
 
 

@@ -1,8 +1,10 @@
 """One Response's generation: engine outputs → parsed pieces → output items, streamed as typed events or not.
 
 Streamed: created → in_progress → each item's events (see output.py) → completed | incomplete; an engine
-failure ends with error → failed. The non-streamed path runs the same loop without making events, so both
-build identical objects.
+failure ends with error → failed. `ResponseFormatter` is the synchronous part (it also runs in
+post-processing workers, see serving/postprocess.py); `ResponseRun` drives it from a GenerationRun on
+the event loop. The non-streamed path runs the same code without making events, so both build identical
+objects.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from hybridserve.engine.outputs import CompletionOutput
 from hybridserve.serving.openai.errors import APIError
 from hybridserve.serving.openai.generation import GenerationRun
 from hybridserve.serving.openai.responses.output import EventWriter, OutputBuilder
@@ -22,8 +25,70 @@ from hybridserve.serving.openai.responses.protocol import (
 from hybridserve.serving.parsers import StreamParser
 
 
+class ResponseFormatter:
+    """Frames (when `stream`) and the terminal object of one Response, fed its choice's outputs in order.
+
+    A `background` response's base object is `queued`: its stream says so before it goes in_progress."""
+
+    def __init__(self, base: dict[str, Any], parser: StreamParser, stream: bool, background: bool = False) -> None:
+        self.base = base
+        self.parser = parser
+        self.event = EventWriter() if stream else None
+        self.background = background
+        self.output = OutputBuilder(self.event)
+        # Tokens inside the reasoning block, its markers included. Tokens whose text the parser holds back
+        # (a marker's first characters) are counted once it is known whether they opened a block.
+        self.reasoning_tokens = 0
+        self._held = 0
+
+    def start(self) -> list[bytes]:
+        if self.event is None:
+            return []
+        frames = [self.event("response.created", response=self.base)]
+        if self.background:
+            frames.append(self.event("response.queued", response=self.base))
+        frames.append(self.event("response.in_progress", response={**self.base, "status": "in_progress"}))
+        return frames
+
+    def feed(self, out: CompletionOutput) -> list[bytes]:
+        parser = self.parser
+        was_reasoning = parser.in_reasoning
+        pieces = parser.feed(out.delta_text)
+        frames = [frame for piece in pieces for frame in self.output.add(piece)]
+        if was_reasoning or parser.in_reasoning:
+            self.reasoning_tokens += self._held + len(out.delta_token_ids)
+            self._held = 0
+        else:
+            self._held = 0 if pieces else self._held + len(out.delta_token_ids)
+        return frames
+
+    def finish(self, finish_reason: str | None, chat_usage: dict[str, Any]) -> tuple[list[bytes], dict[str, Any]]:
+        """The closing frames, the terminal event last, and the terminal object."""
+        frames = [frame for piece in self.parser.finish() for frame in self.output.add(piece)]
+        status = "incomplete" if finish_reason == "length" else "completed"
+        frames.extend(self.output.finish(status))
+        final = finished_response(self.base, self.output.items, status, usage(chat_usage, self.reasoning_tokens))
+        if self.event is not None:
+            frames.append(self.event(f"response.{status}", response=final))
+        return frames, final
+
+    def fail(self, exc: APIError, chat_usage: dict[str, Any]) -> tuple[list[bytes], dict[str, Any]]:
+        final = failed_response(self.base, exc, chat_usage)
+        if self.event is None:
+            return [], final
+        frames = [
+            self.event("error", code=exc.code or exc.type, message=exc.message, param=exc.param),
+            self.event("response.failed", response=final),
+        ]
+        return frames, final
+
+    def cancelled(self, chat_usage: dict[str, Any]) -> dict[str, Any]:
+        """The response as it stands when cancelled: the output so far, the tokens spent."""
+        return cancelled_response(self.base, self.output.cut(), usage(chat_usage, self.reasoning_tokens))
+
+
 class ResponseRun:
-    """`finish` receives the terminal object (to store it) before it is sent; `final` holds it afterwards."""
+    """`finish` receives the terminal object (to store it) before its event is sent; `final` holds it after."""
 
     def __init__(
         self, run: GenerationRun, base: dict[str, Any], parser: StreamParser, finish: Callable[[dict], None]
@@ -33,56 +98,32 @@ class ResponseRun:
         self.parser = parser
         self.finish = finish
         self.final: dict[str, Any] | None = None
-        self.output = OutputBuilder(None)
+        self.formatter = ResponseFormatter(base, parser, stream=False)
 
     def cancelled(self) -> dict[str, Any]:
-        """The response as it stands when cancelled: the output so far, the tokens spent."""
-        return cancelled_response(self.base, self.output.cut(), usage(self.run.usage()))
+        return self.formatter.cancelled(self.run.usage())
 
     async def events(self, stream: bool, background: bool = False) -> AsyncIterator[bytes]:
-        """The event stream (`stream`), or nothing but `final` set; a non-streamed failure raises APIError.
-
-        A `background` run's base object is `queued`: its stream says so before it goes in_progress."""
-        run, parser = self.run, self.parser
-        event = EventWriter() if stream else None
-        out_items = self.output = OutputBuilder(event)
-        if event is not None:
-            yield event("response.created", response=self.base)
-            if background:
-                yield event("response.queued", response=self.base)
-            yield event("response.in_progress", response={**self.base, "status": "in_progress"})
-        # Tokens inside the reasoning block, its markers included. Tokens whose text the parser holds back
-        # (a marker's first characters) are counted once it is known whether they opened a block.
-        reasoning_tokens = held = 0
+        """The event stream (`stream`), or nothing but `final` set; a non-streamed failure raises APIError."""
+        run = self.run
+        fmt = self.formatter = ResponseFormatter(self.base, self.parser, stream, background)
+        for frame in fmt.start():
+            yield frame
         finish_reason = None
         try:
             async for _, out, finished in run.outputs():
-                was_reasoning = parser.in_reasoning
-                pieces = parser.feed(out.delta_text)
-                for piece in pieces:
-                    for frame in out_items.add(piece):
-                        yield frame
-                if was_reasoning or parser.in_reasoning:
-                    reasoning_tokens, held = reasoning_tokens + held + len(out.delta_token_ids), 0
-                else:
-                    held = 0 if pieces else held + len(out.delta_token_ids)
+                for frame in fmt.feed(out):
+                    yield frame
                 if finished:
                     finish_reason = out.finish_reason
         except APIError as exc:
-            if event is None:
+            if not stream:
                 raise
-            self.final = failed_response(self.base, exc, run.usage())
-            self.finish(self.final)
-            yield event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)
-            yield event("response.failed", response=self.final)
-            return
-        for piece in parser.finish():
-            for frame in out_items.add(piece):
-                yield frame
-        status = "incomplete" if finish_reason == "length" else "completed"
-        for frame in out_items.finish(status):
+            frames, self.final = fmt.fail(exc, run.usage())
+        else:
+            frames, self.final = fmt.finish(finish_reason, run.usage())
+        for frame in frames[:-1]:
             yield frame
-        self.final = finished_response(self.base, out_items.items, status, usage(run.usage(), reasoning_tokens))
         self.finish(self.final)
-        if event is not None:
-            yield event(f"response.{status}", response=self.final)
+        for frame in frames[-1:]:
+            yield frame

@@ -13,6 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from hybridserve.engine.fanout import expand
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import APIError, json_response
 from hybridserve.serving.openai.generation import GenerationRun, fit_to_context
@@ -33,6 +34,7 @@ from hybridserve.serving.openai.responses.store import ResponseStore
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect
 from hybridserve.serving.openai.tools import ToolRequest, output_parser, tool_request
 from hybridserve.serving.parsers import Parsers
+from hybridserve.serving.postprocess import PooledResponseRun, PostprocessPool, ResponseJob
 
 RENAMES = {"max_tokens": "max_output_tokens"}
 UNFINISHED = "The server stopped before this response finished."
@@ -40,8 +42,16 @@ logger = logging.getLogger(__name__)
 
 
 class ResponsesService:
-    def __init__(self, engine, metrics: ServingMetrics, store: ResponseStore, parsers: Parsers) -> None:
+    def __init__(
+        self,
+        engine,
+        metrics: ServingMetrics,
+        store: ResponseStore,
+        parsers: Parsers,
+        postprocess: PostprocessPool | None = None,
+    ) -> None:
         self.engine = engine
+        self.postprocess = postprocess
         self.metrics = metrics
         self.store = store
         self.parsers = parsers
@@ -79,6 +89,13 @@ class ResponsesService:
             if req.store:
                 self.store.put(response, items, conversation)
 
+        if self.postprocess is not None and not req.background:
+            [child] = expand(response_id, prompt.ids, params, self.engine.eos_token_ids, self.engine.max_model_len)
+            job = ResponseJob(child, base, self.parsers, prompt.text, tools, bool(req.stream))
+            pooled = PooledResponseRun(self.engine, self.postprocess, self.metrics, arrival, job, finish)
+            if req.stream:
+                return EventStreamResponse(pooled.events(stream=True))
+            return await cancel_on_disconnect(request, _complete(pooled))
         response = ResponseRun(run, base, output_parser(self.parsers, prompt.text, tools), finish)
         if req.background:
             base["status"] = "queued"
@@ -192,7 +209,7 @@ class ResponsesService:
         return [*conversation, *response["output"]]
 
 
-async def _complete(response: ResponseRun) -> Response:
+async def _complete(response: ResponseRun | PooledResponseRun) -> Response:
     async for _ in response.events(stream=False):
         pass
     assert response.final is not None

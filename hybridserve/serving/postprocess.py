@@ -1,0 +1,365 @@
+"""Post-processing workers: detokenization, output parsing and event building off the HTTP event loop.
+
+With `--num-postprocess-workers N`, a Responses request is rendered and validated on the event loop as
+always, then handed to one of N worker processes as a ResponseJob. The engine's raw outputs for it
+(token ids) are forwarded there; the worker detokenizes them (stop strings included), parses reasoning
+and tool calls, builds the SSE frames and the terminal Response object, and sends back ready bytes plus
+the token counts the frontend needs for usage and metrics. The frontend writes the bytes and, as without
+workers, stores the terminal object: storing stays on.
+
+Background responses stay on the event loop (cancel needs the output built so far, which lives there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from hybridserve.engine.client import _die_with_parent
+from hybridserve.engine.output_processor import SequenceOutput
+from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from hybridserve.serving.metrics import ServingMetrics
+from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
+from hybridserve.serving.openai.generation import RunAccounting, engine_failure, usage_body
+from hybridserve.serving.openai.responses.events import ResponseFormatter
+from hybridserve.serving.openai.responses.output import EventWriter
+from hybridserve.serving.openai.responses.protocol import failed_response
+from hybridserve.serving.openai.tools import ToolRequest, output_parser
+from hybridserve.serving.parsers import Parsers
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 1000
+STARTUP_TIMEOUT_S = 120.0
+
+
+class ResponseJob(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    request: EngineCoreRequest
+    base: dict[str, Any]
+    parsers: Parsers
+    prompt_text: str
+    tools: ToolRequest
+    stream: bool
+
+
+class Forward(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    output: EngineCoreOutput
+
+
+class Drop(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    request_id: str
+
+
+class Stop(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    pass
+
+
+WorkerInput = ResponseJob | Forward | Drop | Stop
+
+
+class WorkerReady(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    pass
+
+
+class Processed(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """What a worker made of one engine output (or of a job's start: no tokens yet)."""
+
+    request_id: str
+    frames: bytes
+    new_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None  # set once the sequence ended
+    abort_engine: bool = False  # a stop string ended it: the engine request still runs
+    final: dict[str, Any] | None = None  # the terminal Response object
+    error: str | None = None  # an engine failure, for a non-streamed request's 500
+
+
+class _Job:
+    """One Response in a worker: its sequence's text state and its formatter."""
+
+    def __init__(self, tokenizer, job: ResponseJob) -> None:
+        self.request_id = job.request.request_id
+        self.prompt_tokens = len(job.request.prompt_token_ids)
+        self.cached_tokens = 0
+        self.seq = SequenceOutput(tokenizer, job.request, 0)
+        parser = output_parser(job.parsers, job.prompt_text, job.tools)
+        self.formatter = ResponseFormatter(job.base, parser, job.stream)
+
+    def start(self) -> Processed:
+        return Processed(self.request_id, b"".join(self.formatter.start()))
+
+    def feed(self, out: EngineCoreOutput) -> Processed | None:
+        self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
+        update = self.seq.update(out)
+        if update is None:
+            return None
+        counts = {
+            "new_tokens": len(update.delta_token_ids),
+            "output_tokens": update.num_output_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": update.finish_reason,
+            "abort_engine": self.seq.stopped_by_string,
+        }
+        usage = usage_body(self.prompt_tokens, update.num_output_tokens, self.cached_tokens)
+        if update.finish_reason in ("error", "abort"):
+            error = engine_failure(update.finish_reason, update.error)
+            frames, final = self.formatter.fail(error, usage)
+            return Processed(self.request_id, b"".join(frames), **counts, final=final, error=error.message)
+        frames = self.formatter.feed(update)
+        final = None
+        if update.finish_reason is not None:
+            closing, final = self.formatter.finish(update.finish_reason, usage)
+            frames.extend(closing)
+        return Processed(self.request_id, b"".join(frames), **counts, final=final)
+
+
+def run_postprocess_worker(hf_dir: Path, in_addr: str, out_addr: str) -> None:
+    """Entry point of a post-processing worker process. It never outlives the frontend that started it."""
+    from hybridserve.tokenizer import load_tokenizer
+
+    parent = os.getppid()
+    _die_with_parent()
+    tokenizer = load_tokenizer(hf_dir)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(in_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(out_addr)
+    encode = msgspec.msgpack.Encoder().encode
+    decode = msgspec.msgpack.Decoder(WorkerInput).decode
+    outbox.send(encode(WorkerReady()))
+    jobs: dict[str, _Job] = {}
+    while os.getppid() == parent:
+        if not inbox.poll(_POLL_MS):
+            continue
+        msg = decode(inbox.recv())
+        if isinstance(msg, Stop):
+            return
+        if isinstance(msg, Drop):
+            jobs.pop(msg.request_id, None)
+            continue
+        if isinstance(msg, ResponseJob):
+            job = jobs[msg.request.request_id] = _Job(tokenizer, msg)
+            outbox.send(encode(job.start()))
+            continue
+        job = jobs.get(msg.output.request_id)
+        if job is None:
+            continue
+        try:
+            processed = job.feed(msg.output)
+        except Exception as exc:  # a bug here must fail one response, not the worker
+            logger.exception("post-processing failed for %s", job.request_id)
+            error = APIError(500, f"Post-processing failed: {exc}", type=SERVER_ERROR)
+            frames, final = job.formatter.fail(error, usage_body(job.prompt_tokens, 0, job.cached_tokens))
+            processed = Processed(
+                job.request_id, b"".join(frames), finish_reason="error", abort_engine=True, final=final, error=str(exc)
+            )
+        if processed is not None:
+            outbox.send(encode(processed))
+            if processed.finish_reason is not None:
+                del jobs[job.request_id]
+
+
+class _Ticket:
+    def __init__(self, request_id: str, sock: zmq.Socket, encode: Callable[[Any], bytes]) -> None:
+        self.request_id = request_id
+        self.sock = sock
+        self._encode = encode
+        self.results: asyncio.Queue[Processed] = asyncio.Queue()
+
+    def send(self, msg: WorkerInput) -> None:
+        """Never blocks: a worker that is gone (its pipe closed) fails this response instead."""
+        try:
+            self.sock.send(self._encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            raise RuntimeError("the post-processing worker for this response is not running") from None
+
+    def forward(self, output: EngineCoreOutput) -> None:
+        try:
+            self.send(Forward(output))
+        except RuntimeError as exc:
+            self.results.put_nowait(Processed(self.request_id, b"", finish_reason="error", error=str(exc)))
+
+
+class PostprocessPool:
+    """N worker processes; a job and its forwarded outputs go to one worker, chosen round-robin."""
+
+    def __init__(self, hf_dir: Path, num_workers: int) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be at least 1, got {num_workers}")
+        base = Path(tempfile.gettempdir()) / f"hybridserve-post-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._addrs = [f"ipc://{base}-in{k}" for k in range(num_workers)] + [f"ipc://{base}-out"]
+        self._sync_ctx = zmq.Context()
+        self._to_workers = []
+        for addr in self._addrs[:-1]:
+            sock = self._sync_ctx.socket(zmq.PUSH)
+            sock.bind(addr)
+            self._to_workers.append(sock)
+        self._ctx = zmq.asyncio.Context()
+        self._from_workers = self._ctx.socket(zmq.PULL)
+        self._from_workers.bind(self._addrs[-1])
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(Processed | WorkerReady).decode
+        spawn = multiprocessing.get_context("spawn")
+        self.processes = [
+            spawn.Process(
+                target=run_postprocess_worker,
+                args=(hf_dir, addr, self._addrs[-1]),
+                name=f"hybridserve-postprocess-{k}",
+                daemon=True,
+            )
+            for k, addr in enumerate(self._addrs[:-1])
+        ]
+        for process in self.processes:
+            process.start()
+        self._wait_ready()
+        self._next = itertools.cycle(range(num_workers))
+        self._queues: dict[str, asyncio.Queue[Processed]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    def _wait_ready(self) -> None:
+        """Blocks (before any event loop runs) until every worker has loaded its tokenizer and connected, so
+        no send ever waits for a peer."""
+        sync = zmq.Socket.shadow(self._from_workers.underlying)
+        ready = 0
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while ready < len(self.processes):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"post-processing workers did not start within {STARTUP_TIMEOUT_S:.0f}s")
+            if sync.poll(_POLL_MS):
+                ready += isinstance(self._decode(sync.recv()), WorkerReady)
+            for process in self.processes:
+                if not process.is_alive():
+                    raise RuntimeError(f"{process.name} exited during start-up (exit code {process.exitcode})")
+
+    def submit(self, job: ResponseJob) -> _Ticket:
+        """Sends `job` to the next worker; the ticket forwards its engine outputs and receives its results."""
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        ticket = _Ticket(job.request.request_id, self._to_workers[next(self._next)], self._encode)
+        self._queues[ticket.request_id] = ticket.results
+        ticket.send(job)
+        return ticket
+
+    def close(self, ticket: _Ticket, unfinished: bool) -> None:
+        """Stops routing the ticket's results; an `unfinished` job is also dropped by its worker."""
+        self._queues.pop(ticket.request_id, None)
+        if unfinished:
+            with contextlib.suppress(RuntimeError):  # a worker that is gone holds nothing to drop
+                ticket.send(Drop(ticket.request_id))
+
+    async def _read(self) -> None:
+        while True:
+            if not await self._from_workers.poll(_POLL_MS):
+                dead = [p.name for p in self.processes if not p.is_alive()]
+                if dead:
+                    self._fail_all(f"post-processing worker {dead[0]} exited")
+                continue
+            msg = self._decode(await self._from_workers.recv())
+            if isinstance(msg, WorkerReady):
+                continue
+            queue = self._queues.get(msg.request_id)
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    def _fail_all(self, error: str) -> None:
+        for rid, queue in self._queues.items():
+            queue.put_nowait(Processed(rid, b"", finish_reason="error", error=error))
+
+    def shutdown(self) -> None:
+        for sock, process in zip(self._to_workers, self.processes, strict=True):
+            if process.is_alive():
+                with contextlib.suppress(zmq.Again):
+                    sock.send(self._encode(Stop()), zmq.NOBLOCK)
+        for process in self.processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+        if self._reader is not None and not self._reader.get_loop().is_closed():
+            self._reader.cancel()
+        self._ctx.destroy(linger=0)
+        self._sync_ctx.destroy(linger=0)
+        for addr in self._addrs:
+            Path(addr.removeprefix("ipc://")).unlink(missing_ok=True)
+
+
+class PooledResponseRun:
+    """A Response post-processed in a worker; the same face as ResponseRun (`events`, `final`)."""
+
+    def __init__(
+        self,
+        engine,
+        pool: PostprocessPool,
+        metrics: ServingMetrics,
+        arrival: float,
+        job: ResponseJob,
+        finish: Callable[[dict], None],
+    ) -> None:
+        self.engine = engine
+        self.pool = pool
+        self.job = job
+        self.finish = finish
+        self.final: dict[str, Any] | None = None
+        self.accounting = RunAccounting(metrics, arrival, [len(job.request.prompt_token_ids)], 1)
+
+    async def events(self, stream: bool) -> AsyncIterator[bytes]:
+        """As ResponseRun.events: the frames (when `stream`), `final` set, `finish` called before the terminal
+        event. If the worker itself fails, the stream still ends with error → failed (numbered on)."""
+        rid = self.job.request.request_id
+        ticket: _Ticket | None = None
+        ended = False
+        sent = 0  # events sent: every frame ends with one blank line
+        outcome: str | None = "abort"  # what the response counts as if we leave early
+        try:
+            ticket = self.pool.submit(self.job)
+            await self.engine.add_raw_request(self.job.request, ticket.forward)
+            while not ended:
+                msg = await ticket.results.get()
+                if msg.abort_engine:
+                    self.engine.release(rid, abort=True)
+                if msg.final is None and msg.error is not None:  # the worker itself is gone
+                    raise RuntimeError(msg.error)
+                reason = msg.finish_reason
+                self.accounting.observe(0, 0, msg.new_tokens, msg.output_tokens, msg.cached_tokens, reason)
+                if msg.final is not None:
+                    ended = True
+                    outcome = "error" if msg.error is not None else None
+                    if msg.error is not None and not stream:
+                        raise APIError(500, msg.error, type=SERVER_ERROR)
+                    self.final = msg.final
+                    self.finish(self.final)
+                if msg.frames:
+                    sent += msg.frames.count(b"\n\n")
+                    yield msg.frames
+        except RuntimeError as exc:
+            outcome = "error"
+            error = APIError(500, str(exc), type=SERVER_ERROR)
+            if not stream:
+                raise error from None
+            event = EventWriter()
+            event.sequence_number = sent
+            self.final = failed_response(self.job.base, error, self.accounting.usage())
+            self.finish(self.final)
+            yield event("error", code=error.code or error.type, message=error.message, param=error.param)
+            yield event("response.failed", response=self.final)
+        finally:
+            self.engine.release(rid, abort=not ended)
+            if ticket is not None:
+                self.pool.close(ticket, unfinished=not ended)
+            self.accounting.close(outcome)

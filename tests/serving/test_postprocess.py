@@ -1,0 +1,100 @@
+"""--num-postprocess-workers: Responses built in worker processes equal those built on the event loop."""
+
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+from hybridserve.serving.app import build_app
+from hybridserve.serving.parsers import Parsers
+from hybridserve.serving.postprocess import PostprocessPool
+
+from .fake_engine import FakeEngine
+from .helpers import PARIS
+from .openapi_schema import check
+from .test_responses import ASK, events
+from .test_tools import CALL, TOOLS, script
+
+IDS = re.compile(r"(resp|msg|rs|fc|call)_[0-9a-f]{32}")
+
+
+@pytest.fixture(scope="module")
+def pool(smollm2_dir):
+    pool = PostprocessPool(smollm2_dir, 2)
+    yield pool
+    pool.shutdown()
+
+
+def normalized(value):
+    """`value` with generated ids and timestamps replaced, so two runs compare equal."""
+    if isinstance(value, dict):
+        return {k: 0 if k in ("created_at", "completed_at") and v else normalized(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [normalized(v) for v in value]
+    return IDS.sub(lambda m: m.group(1) + "_x", value) if isinstance(value, str) else value
+
+
+def both(tokenizer, pool, body: dict, scripts: list[list[int]], **engine_setup):
+    """The same request answered without workers and with them: (response, engine) for each."""
+    out = []
+    for with_pool in (False, True):
+        engine = FakeEngine(tokenizer, scripts, max_model_len=1024)
+        for key, value in engine_setup.items():
+            setattr(engine, key, value)
+        app = build_app(engine, None, parsers=Parsers("think", "hermes"), postprocess=pool if with_pool else None)
+        with TestClient(app) as client:
+            r = client.post("/v1/responses", json=body)
+            stored = client.get(f"/v1/responses/{r.json()['id']}") if not body.get("stream") else None
+            out.append((r, engine, stored))
+    return out
+
+
+@pytest.mark.parametrize("max_output_tokens", [None, 3])
+def test_non_streamed_responses_are_identical(tokenizer, pool, max_output_tokens):
+    body = {"input": ASK, "max_output_tokens": max_output_tokens}
+    (local, _, _), (pooled, engine, stored) = both(tokenizer, pool, body, [PARIS])
+    assert pooled.status_code == 200
+    check(pooled.json(), "Response")
+    assert normalized(pooled.json()) == normalized(local.json())
+    assert stored.json() == pooled.json()  # storing stays on with workers
+    assert engine.calls[0][0] == engine.calls[0][0] and engine.running == 0
+
+
+@pytest.mark.parametrize("text", ["The capital of France is Paris.", "<think>Hmm.</think>Checking." + CALL])
+def test_streamed_events_are_identical(tokenizer, pool, text):
+    body = {"input": ASK, "stream": True, "tools": TOOLS}
+    (local, _, _), (pooled, engine, _) = both(tokenizer, pool, body, [script(tokenizer, text)])
+    assert normalized(events(pooled.text)) == normalized(events(local.text))
+    assert events(pooled.text)[-1]["type"] == "response.completed"
+
+
+def test_engine_failure_mid_stream(tokenizer, pool):
+    body = {"input": ASK, "stream": True}
+    (local, _, _), (pooled, engine, _) = both(tokenizer, pool, body, [PARIS], error_at_step=2)
+    assert [e["type"] for e in events(pooled.text)][-2:] == ["error", "response.failed"]
+    assert normalized(events(pooled.text)) == normalized(events(local.text))
+
+
+def test_stop_string_aborts_the_engine_request(tokenizer, pool):
+    # Responses has no stop field; a tiny max_output_tokens ends it early instead, and the engine is released.
+    body = {"input": ASK, "max_output_tokens": 2}
+    (local, _, _), (pooled, engine, _) = both(tokenizer, pool, body, [PARIS])
+    assert normalized(pooled.json()) == normalized(local.json())
+    assert pooled.json()["status"] == "incomplete" and engine.running == 0
+
+
+def test_a_dead_worker_fails_its_responses_with_an_error_event(tokenizer, smollm2_dir):
+    pool = PostprocessPool(smollm2_dir, 1)
+    try:
+        pool.processes[0].kill()
+        pool.processes[0].join()
+        engine = FakeEngine(tokenizer, [PARIS], max_model_len=1024)
+        with TestClient(build_app(engine, None, postprocess=pool)) as client:
+            evs = events(client.post("/v1/responses", json={"input": ASK, "stream": True}).text)
+            assert [e["type"] for e in evs] == ["error", "response.failed"]
+            assert evs[0]["message"] == "the post-processing worker for this response is not running"
+            r = client.post("/v1/responses", json={"input": ASK})
+            assert r.status_code == 500 and "post-processing worker" in r.json()["error"]["message"]
+            assert engine.running == 0
+    finally:
+        pool.shutdown()
