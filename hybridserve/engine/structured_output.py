@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import OrderedDict
@@ -31,6 +32,7 @@ _NATIVE_NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false
 _MAX_ERROR_CHARS = 500
 
 
+@functools.lru_cache(maxsize=_CACHE_ENTRIES)  # a batch of prompts shares one spec; failures are not cached
 def check(spec: StructuredOutput) -> None:
     """Parse the spec's schema or grammar; raise InvalidParameter("structured_output.<kind>", why)."""
     _grammar(spec)

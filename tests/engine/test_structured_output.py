@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -9,6 +10,8 @@ import jsonschema
 import msgspec
 import pytest
 
+from hybridserve.config import EngineConfig
+from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.protocol import AddRequest, EngineCoreRequest, EngineInput, FinishReason
 from hybridserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutput
@@ -225,3 +228,25 @@ def test_preemption_keeps_the_output(smollm2_dir, llm):
 
 
 WHO = ("a pilot", "a baker", "a child", "a painter")
+
+
+def test_through_the_worker_process(smollm2_dir):
+    """The async client: the spec crosses ZeroMQ to a worker process, which compiles and applies it."""
+
+    async def main(engine: AsyncLLM) -> tuple[str | None, str]:
+        messages = [{"role": "user", "content": ASK}]
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+        with pytest.raises(InvalidParameter):
+            async for _ in engine.generate(prompt, _params(StructuredOutput(regex="a(b")), "bad"):
+                pass
+        last = [out async for out in engine.generate(prompt, _params(PERSON_SPEC), "good")][-1].output
+        return last.finish_reason, last.text
+
+    engine = AsyncLLM.from_config(EngineConfig(model=str(smollm2_dir), dtype="float32", device="cpu"))
+    try:
+        finish_reason, text = asyncio.run(main(engine))
+    finally:
+        engine.shutdown()
+    assert finish_reason == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
