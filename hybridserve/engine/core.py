@@ -115,18 +115,19 @@ class EngineCore:
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Hand requests whose grammar is compiled to the scheduler (in arrival order); fail those whose
         compile failed (the frontend checks specs first, so that means a bad spec from another client)."""
-        failed = []
+        failed: list[EngineCoreOutput] = []
         for rid, (req, eos_ids, future) in list(self._compiling.items()):
             if not future.done():
                 continue
             del self._compiling[rid]
-            error = future.exception()
-            if error is None:
-                req.grammar = SequenceGrammar(future.result(), eos_ids)
-                self.scheduler.add(req)
-            else:
+            try:
+                req.grammar = SequenceGrammar(future.result(), eos_ids)  # result() re-raises the compile's error
+            except Exception as exc:  # reported on this request only; the others go on
+                logger.warning("request %s: structured_output could not be compiled: %s", rid, exc)
                 req.finish(FinishReason.ERROR)
-                failed.append(self._output(req, [], error=f"structured_output could not be compiled: {error}"))
+                failed.append(self._output(req, [], error=f"structured_output could not be compiled: {exc}"))
+                continue
+            self.scheduler.add(req)
         return failed
 
     def _step(self) -> list[EngineCoreOutput]:
@@ -166,13 +167,10 @@ class EngineCore:
         return [self._fail(req, msg)]
 
     def fail_all(self, error: str) -> list[EngineCoreOutput]:
-        """After a failed step: end every request with an error. Blocks of that step were made findable
-        before their KV was written, so the prefix cache is forgotten too."""
+        """After a failed step: end every request the scheduler holds with an error (those still waiting for
+        their grammar took no part in the step and go on). Blocks of that step were made findable before
+        their KV was written, so the prefix cache is forgotten too."""
         failed = [self._fail(req, error) for req in list(self.scheduler.requests.values())]
-        for compiling in self._compiling.values():
-            compiling.request.finish(FinishReason.ERROR)
-            failed.append(self._output(compiling.request, [], error=error))
-        self._compiling.clear()
         self.kv.pool.reset_prefix_cache()
         return failed
 
