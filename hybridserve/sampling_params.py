@@ -10,6 +10,54 @@ MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain a request's output to a language; set exactly one of the five kinds.
+
+    - json_schema: JSON Schema as JSON text; the output is one JSON value valid against it.
+    - json_object: True for any JSON object.
+    - regex: the whole output matches this regular expression.
+    - grammar: an EBNF grammar (xgrammar's GBNF dialect) whose start rule is `root`.
+    - structural_tag: xgrammar's structural tag as JSON text (e.g. free text, then tool calls whose
+      arguments follow a schema).
+    flexible_whitespace (JSON kinds only): False writes JSON in one compact layout (", " and ": ", no
+    newlines), which keeps a model from looping on whitespace; True allows any whitespace JSON allows.
+
+    Only the shape is checked here; `hybridserve.engine.structured_output.check` parses the schema or
+    grammar itself (the frontend calls it before a request reaches an engine).
+    """
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    flexible_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds
+        _check(len(kinds) == 1, "structured_output", kinds, "must set exactly one of " + ", ".join(STRUCTURED_KINDS))
+        if self.flexible_whitespace:
+            _check(
+                kinds[0] in ("json_schema", "json_object"),
+                "structured_output.flexible_whitespace",
+                kinds[0],
+                "applies only to json_schema and json_object",
+            )
+
+    @property
+    def kinds(self) -> list[str]:
+        """The kinds that are set (exactly one in a valid value)."""
+        return [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+
+    @property
+    def kind(self) -> str:
+        return self.kinds[0]
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -29,6 +77,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None  # None: unconstrained
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "n", self.n, "must be at least 1")
@@ -57,6 +106,9 @@ class SamplingParams:
             )
         for s in self.stop:
             _check(len(s) > 0, "stop", s, "must not contain empty strings")
+        if self.structured_output is not None:
+            # A finished grammar leaves only EOS, which min_tokens would forbid: nothing could be sampled.
+            _check(self.min_tokens == 0, "min_tokens", self.min_tokens, "must be 0 with structured_output")
 
     @property
     def greedy(self) -> bool:

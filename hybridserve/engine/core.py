@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
+from typing import NamedTuple
+
+import xgrammar as xgr
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.manager import KVCacheManager
@@ -17,9 +21,21 @@ from hybridserve.engine.protocol import (
 )
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.scheduler import Scheduler
+from hybridserve.engine.structured_output import GrammarCompiler, SequenceGrammar
 from hybridserve.engine.throughput_log import ThroughputLog
 
 logger = logging.getLogger("hybridserve.engine")
+
+# With nothing to run but compiles, the loop sleeps on them this long at most, so new messages are seen.
+_COMPILE_WAIT_S = 0.01
+
+
+class _Compiling(NamedTuple):
+    """A request whose grammar is being compiled; it joins the scheduler once the compile is done."""
+
+    request: Request
+    eos_token_ids: list[int]  # the model's EOS ids, which end the grammar even with ignore_eos
+    grammar: Future[xgr.CompiledGrammar]
 
 
 class EngineCore:
@@ -29,6 +45,8 @@ class EngineCore:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self._pending: list[EngineCoreOutput] = []
+        self.grammars = GrammarCompiler(hf_dir, self.runner.vocab_size)
+        self._compiling: dict[str, _Compiling] = {}
         self.throughput = ThroughputLog()
 
     def add_request(self, core: EngineCoreRequest) -> None:
@@ -44,11 +62,16 @@ class EngineCore:
                 )
             )
             return
-        self.scheduler.add(Request(core, self.max_model_len))
+        req = Request(core, self.max_model_len)
+        spec = core.sampling_params.structured_output
+        if spec is None:
+            self.scheduler.add(req)
+        else:
+            self._compiling[req.request_id] = _Compiling(req, core.eos_token_ids, self.grammars.submit(spec))
 
     def _validate(self, core: EngineCoreRequest) -> str | None:
         n = len(core.prompt_token_ids)
-        if core.request_id in self.scheduler.requests:
+        if core.request_id in self.scheduler.requests or core.request_id in self._compiling:
             return f"request id {core.request_id!r} is already in use"
         if n == 0:
             return "the prompt is empty"
@@ -64,6 +87,10 @@ class EngineCore:
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
+            compiling = self._compiling.pop(rid, None)
+            if compiling is not None:
+                compiling.request.finish(FinishReason.ABORT)
+                self._pending.append(self._output(compiling.request, []))
             req = self.scheduler.requests.get(rid)
             if req is not None:
                 self.scheduler.finish(req, FinishReason.ABORT)
@@ -71,15 +98,37 @@ class EngineCore:
                 self._pending.append(self._output(req, []))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or bool(self._compiling)
 
     def step(self) -> EngineCoreOutputs:
         outputs, self._pending = self._pending, []
+        if self._compiling:
+            outputs.extend(self._admit_compiled())
         if self.scheduler.has_work():
             outputs.extend(self._step())
+        elif self._compiling:  # nothing to run until a compile finishes
+            wait([c.grammar for c in self._compiling.values()], _COMPILE_WAIT_S, FIRST_COMPLETED)
         stats = self.scheduler.stats()
         self.throughput.maybe_log(stats)
         return EngineCoreOutputs(outputs, stats)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Hand requests whose grammar is compiled to the scheduler (in arrival order); fail those whose
+        compile failed (the frontend checks specs first, so that means a bad spec from another client)."""
+        failed: list[EngineCoreOutput] = []
+        for rid, (req, eos_ids, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                req.grammar = SequenceGrammar(future.result(), eos_ids)  # result() re-raises the compile's error
+            except Exception as exc:  # reported on this request only; the others go on
+                logger.warning("request %s: structured_output could not be compiled: %s", rid, exc)
+                req.finish(FinishReason.ERROR)
+                failed.append(self._output(req, [], error=f"structured_output could not be compiled: {exc}"))
+                continue
+            self.scheduler.add(req)
+        return failed
 
     def _step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
@@ -96,6 +145,9 @@ class EngineCore:
             if result is None:
                 continue
             req.output_token_ids.append(result.token_id)
+            if req.grammar is not None and not req.grammar.accept(result.token_id):  # the mask forbids this
+                outputs.append(self._fail(req, f"grammar rejected sampled token {result.token_id}"))
+                continue
             req.check_stop()
             logprobs = [result.logprobs] if result.logprobs is not None else None
             outputs.append(self._output(req, [result.token_id], logprobs))
@@ -115,8 +167,9 @@ class EngineCore:
         return [self._fail(req, msg)]
 
     def fail_all(self, error: str) -> list[EngineCoreOutput]:
-        """After a failed step: end every request with an error. Blocks of that step were made findable
-        before their KV was written, so the prefix cache is forgotten too."""
+        """After a failed step: end every request the scheduler holds with an error (those still waiting for
+        their grammar took no part in the step and go on). Blocks of that step were made findable before
+        their KV was written, so the prefix cache is forgotten too."""
         failed = [self._fail(req, error) for req in list(self.scheduler.requests.values())]
         self.kv.pool.reset_prefix_cache()
         return failed

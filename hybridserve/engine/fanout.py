@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 from hybridserve.engine.protocol import EngineCoreRequest
+from hybridserve.engine.structured_output import check
 from hybridserve.sampling_params import InvalidParameter, SamplingParams
 
 
@@ -16,7 +17,8 @@ def child_id(request_id: str, index: int, n: int) -> str:
 def expand(
     request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: list[int], max_model_len: int
 ) -> list[EngineCoreRequest]:
-    """One engine request per choice. A seeded request gives choice i the seed seed + i, so the choices
+    """One engine request per choice, after checking what the engine would reject (raises InvalidParameter).
+    A seeded request gives choice i the seed seed + i, so the choices
     differ from each other and each is reproducible."""
     n_prompt = len(prompt_token_ids)
     if n_prompt == 0:
@@ -33,6 +35,8 @@ def expand(
             f"this model's maximum context length is {max_model_len} tokens, but {n_prompt} "
             f"prompt tokens plus max_tokens={params.max_tokens} would need {n_prompt + params.max_tokens}",
         )
+    if params.structured_output is not None:  # a bad schema or grammar is the caller's error, not the engine's
+        check(params.structured_output)
     now = time.time()
     children = []
     for i in range(params.n):

@@ -14,6 +14,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.specs import CacheLayout
 from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
 from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.engine.structured_output import GrammarBitmask, SequenceGrammar
 from hybridserve.models.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from hybridserve.models.layers.linear import can_pack, pack_linears
 from hybridserve.models.loader.safetensors import load_state_dict, pack
@@ -105,6 +106,7 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.vocab_size)
         self.sampling_states: dict[str, SamplingState] = {}
+        self.grammar_bitmask = GrammarBitmask(self.vocab_size)
 
     def release(self, request_id: str) -> None:
         self.sampling_states.pop(request_id, None)
@@ -153,6 +155,7 @@ class ModelRunner:
         positions: list[int] = []
         sample_rows: list[int] = []
         states: list[SamplingState] = []
+        grammars: list[tuple[int, SequenceGrammar]] = []  # (row among the sampled, its grammar)
         for s in out.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
@@ -166,6 +169,8 @@ class ModelRunner:
                         req.params, req.prompt_token_ids, req.output_token_ids, req.eos_token_ids, self.device
                     )
                     self.sampling_states[req.request_id] = state
+                if req.grammar is not None:
+                    grammars.append((len(states), req.grammar))
                 states.append(state)
         meta = self.attention_metadata(out, block_tables)
         hidden = self.model(
@@ -173,7 +178,9 @@ class ModelRunner:
         )
         if not sample_rows:
             return {}
+        # Filled on the CPU while a GPU still runs the step's kernels.
+        mask = self.grammar_bitmask.fill(grammars, len(states), self.device) if grammars else None
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        results = self.sampler(logits, states)
+        results = self.sampler(logits, states, mask)
         sampling = [s.request.request_id for s in out.scheduled if s.samples]
         return dict(zip(sampling, results, strict=True))

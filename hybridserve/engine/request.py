@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from hybridserve.engine.protocol import EngineCoreRequest, FinishReason
 from hybridserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hybridserve.engine.structured_output import SequenceGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -38,6 +42,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
+        # Set once the grammar of params.structured_output is compiled, before the request is scheduled.
+        self.grammar: SequenceGrammar | None = None
         budget = max_model_len - len(self.prompt_token_ids)
         self.max_output_tokens = min(self.params.max_tokens or budget, budget)
 
@@ -78,6 +84,9 @@ class Request:
             if last in self.eos_token_ids:
                 self.finish(FinishReason.STOP)
                 return True
+        if self.grammar is not None and self.grammar.terminated:  # its EOS, even with ignore_eos
+            self.finish(FinishReason.STOP)
+            return True
         if n_out >= self.max_output_tokens:
             self.finish(FinishReason.LENGTH)
             return True

@@ -1,9 +1,11 @@
 """Batched sampling for one engine step: logprobs, logit processing, greedy argmax and seeded random draws.
 
 Order, as vLLM does it: logprobs from the raw logits; then logit_bias, min_tokens, repetition penalty,
-frequency/presence penalties; greedy rows take the argmax; random rows apply temperature, top-k, top-p and
-min-p and draw by the exponential race (argmax of probs / Exp(1) noise). A seeded row draws its noise from
-its own generator, so its tokens depend only on its seed and its logits, never on the rest of the batch.
+frequency/presence penalties; the grammar mask of constrained rows (forbidden tokens to -inf); greedy rows
+take the argmax; random rows apply temperature, top-k, top-p and min-p and draw by the exponential race
+(argmax of probs / Exp(1) noise). A seeded row draws its noise from its own generator, so its tokens
+depend only on its seed and its logits, never on the rest of the batch. Logprobs stay those of the raw
+model distribution for constrained rows too, so a listed alternative may be a token the grammar forbade.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from functools import cached_property
 import torch
 
 from hybridserve.engine.protocol import TokenLogprobs
+from hybridserve.engine.structured_output import TokenMask
 from hybridserve.sampling_params import SamplingParams
 
 _NUCLEUS_CANDIDATES = 1024
@@ -73,8 +76,11 @@ class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> list[SampleResult]:
-        """logits: [B, V] (any float dtype, any device) for the B requests in `states`, same order.
+    def __call__(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], mask: TokenMask | None = None
+    ) -> list[SampleResult]:
+        """logits: [B, V] (any float dtype, any device) for the B requests in `states`, same order; `mask`
+        limits the constrained rows to their grammar's allowed tokens.
 
         Columns past vocab_size (a padded LM head) are ignored.
         """
@@ -84,7 +90,9 @@ class Sampler:
                 f"got {list(logits.shape)}"
             )
         logits = logits[:, : self.vocab_size]
-        if all(s.params.greedy and s.params.logprobs is None and not s.needs_processing for s in states):
+        if mask is None and all(
+            s.params.greedy and s.params.logprobs is None and not s.needs_processing for s in states
+        ):
             return [SampleResult(t, None) for t in logits.argmax(dim=-1).tolist()]
 
         x = logits.to(torch.float32, copy=True)
@@ -92,6 +100,8 @@ class Sampler:
         want_idx = torch.tensor(want, dtype=torch.long, device=x.device)
         raw_logprobs = torch.log_softmax(x[want_idx], dim=-1)
         apply_penalties(x, states)
+        if mask is not None:
+            mask.apply(x)
         tokens = _pick_tokens(x, states)
         by_row: dict[int, TokenLogprobs] = {}
         if want:
