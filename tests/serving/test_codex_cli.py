@@ -1,9 +1,10 @@
-"""The Codex CLI, unchanged, against a real `hybridserve serve` (the embedded SmolLM2-135M): two turns of
-`codex exec` through the Responses API (streamed, store false, the whole history each turn, tools of several
-types) end without a protocol error.
+"""The Codex CLI, unchanged, against our Responses API (streamed, store false, the whole history each turn,
+tools of several types): two turns of `codex exec` against a real `hybridserve serve` (the embedded
+SmolLM2-135M) end without a protocol error, and a tool loop against the scripted engine sends exactly the
+items it should.
 
-`make test-slow` installs the pinned CLI into .npm-tools/; without it the test skips. Codex's own system
-prompt and several tool groups are switched off so the prompt (about 1.3k tokens) fits SmolLM2 on a CPU.
+`make test-slow` installs the pinned CLI into .npm-tools/; without it these tests skip. Against SmolLM2,
+Codex's own system prompt and some tool groups are switched off so the prompt (about 1.3k tokens) suits a CPU.
 """
 
 import json
@@ -14,6 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from hybridserve.serving.app import build_app
+from hybridserve.serving.parsers import Parsers
+
+from .fake_engine import FakeEngine
+from .helpers import serve_in_thread
 from .test_e2e_server import KEY, REPO, running_server
 
 pytestmark = pytest.mark.slow
@@ -33,13 +39,28 @@ RAMBLED = "Incomplete response returned, reason: max_output_tokens"
 ATTEMPTS = 3
 
 
-def codex_config(url: str, instructions: Path) -> str:
-    return f"""model = "smollm2"
+def write_codex_home(home: Path, url: str, *, slim: bool) -> None:
+    """CODEX_HOME/config.toml with our server as the provider; `slim` switches off Codex's long system prompt,
+    the environment context (it names the temporary directory), goal tools and bundled skills."""
+    codex_home = home / "codex"
+    codex_home.mkdir(parents=True)
+    config = """model = "smollm2"
 model_provider = "hybridserve"
-model_instructions_file = "{instructions}"
-include_environment_context = false
 check_for_update_on_startup = false
+"""
+    if slim:
+        instructions = codex_home / "instructions.md"
+        instructions.write_text("You are a helpful assistant. Answer in one short sentence.")
+        config += f"""model_instructions_file = "{instructions}"
+include_environment_context = false
 
+[features]
+goals = false
+
+[skills.bundled]
+enabled = false
+"""
+    config += f"""
 [model_providers.hybridserve]
 name = "hybridserve"
 base_url = "{url}/v1"
@@ -48,15 +69,10 @@ env_key = "HYBRIDSERVE_TEST_KEY"
 request_max_retries = 0
 stream_max_retries = 0
 
-[features]
-goals = false
-
-[skills.bundled]
-enabled = false
-
 [analytics]
 enabled = false
 """
+    (codex_home / "config.toml").write_text(config)
 
 
 def run_codex(home: Path, work: Path, *args: str) -> tuple[int, str, list[dict]]:
@@ -82,7 +98,8 @@ def turn_completed(rc: int, output: str, events: list[dict]) -> dict | None:
     if rc == 0:
         assert types[-1] == "turn.completed", output[-4000:]
         assert events[-1]["usage"]["input_tokens"] > 0 and events[-1]["usage"]["output_tokens"] > 0
-        messages = [e["item"] for e in events if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
+        items = [e["item"] for e in events if e["type"] == "item.completed"]
+        messages = [item for item in items if item["type"] == "agent_message"]
         assert messages and messages[-1]["text"], output[-4000:]
         return events[-1]["usage"]
     assert types[-1] == "turn.failed" and RAMBLED in events[-1]["error"]["message"], output[-4000:]
@@ -104,11 +121,8 @@ def test_codex_exec_two_turns(codex_binary, tmp_path):
     with running_server(log) as (url, _):
         for attempt in range(ATTEMPTS):
             home, work = tmp_path / f"home{attempt}", tmp_path / f"work{attempt}"
-            (home / "codex").mkdir(parents=True)
             work.mkdir()
-            instructions = home / "codex/instructions.md"
-            instructions.write_text("You are a helpful assistant. Answer in one short sentence.")
-            (home / "codex/config.toml").write_text(codex_config(url, instructions))
+            write_codex_home(home, url, slim=True)
             runs += 1
             first = turn_completed(*run_codex(home, work, "Say hello."))
             if first is None:
@@ -126,3 +140,79 @@ def test_codex_exec_two_turns(codex_binary, tmp_path):
     text = log.read_text()
     posts = re.findall(r'"POST /v1/responses HTTP/1\.1" (\d+)', text)
     assert set(posts) == {"200"} and len(posts) >= runs, posts  # more if the model called a tool
+
+
+# The same CLI with its default prompt and tools against the scripted engine behind the real app: a tool loop
+# whose every token is known. Turn 1 reasons and calls exec_command; Codex runs it and sends the whole history
+# back (reasoning, call and output items); turn 2 answers.
+CALL = '<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "echo hi"}}\n</tool_call>'
+TURNS = ["<think>I should run a command.</think>" + CALL, "<think>It printed hi.</think>Done: hi."]
+
+
+def recording(app, bodies: list[dict]):
+    """`app`, keeping every POST /v1/responses body in `bodies`."""
+
+    async def recorded(scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/responses":
+            return await app(scope, receive, send)
+        chunks: list[bytes] = []
+
+        async def receive_and_keep():
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message["body"])
+                if not message.get("more_body"):
+                    bodies.append(json.loads(b"".join(chunks)))
+            return message
+
+        await app(scope, receive_and_keep, send)
+
+    return recorded
+
+
+def test_codex_tool_loop_against_the_scripted_engine(codex_binary, tokenizer, tmp_path):
+    engine = FakeEngine(tokenizer, [], max_model_len=32768)
+    engine.turns = [tokenizer.encode(t, add_special_tokens=False) + [2] for t in TURNS]
+    bodies: list[dict] = []
+    app = recording(build_app(engine, KEY, parsers=Parsers("think", "hermes")), bodies)
+    work = tmp_path / "work"
+    work.mkdir()
+    with serve_in_thread(app) as url:
+        write_codex_home(tmp_path / "home", url, slim=False)
+        rc, output, events = run_codex(tmp_path / "home", work, "Say hi with a shell command.")
+
+    usage = turn_completed(rc, output, events)
+    assert usage is not None, output[-4000:]
+    items = [e["item"] for e in events if e["type"] == "item.completed" and e["item"]["type"] != "error"]
+    command, message = items  # (the "error" items are Codex's warning that it knows no metadata for smollm2)
+    # (whether the command itself succeeds depends on Codex's sandbox on this host, not on our server)
+    assert command["type"] == "command_execution" and "echo hi" in command["command"]
+    assert message["type"] == "agent_message"
+    assert message["text"] == "Done: hi."
+    prompts = [ids for ids, _, _ in engine.calls]
+    assert usage["input_tokens"] == sum(map(len, prompts)) and usage["reasoning_output_tokens"] > 0
+
+    first, second = bodies
+    for body in bodies:
+        assert (body["stream"], body["store"], body["tool_choice"]) == (True, False, "auto")
+    assert {tool["type"] for tool in first["tools"]} >= {"function", "namespace", "web_search"}
+    assert second["input"][: len(first["input"])] == first["input"]  # the whole history, sent again
+    reasoning, call, result = second["input"][len(first["input"]) :]
+    assert (reasoning["type"], reasoning["content"]) == (
+        "reasoning",
+        [{"type": "reasoning_text", "text": "I should run a command."}],
+    )
+    assert reasoning["id"].startswith("rs_") and reasoning.get("encrypted_content") is None
+    assert (call["type"], call["name"], json.loads(call["arguments"])) == (
+        "function_call",
+        "exec_command",
+        {"cmd": "echo hi"},
+    )
+    assert (result["type"], result["call_id"]) == ("function_call_output", call["call_id"])
+
+    # the history renders as the first prompt, then the call and its output in the Hermes form (no reasoning)
+    prompt_1, prompt_2 = (tokenizer.decode(ids) for ids in prompts)
+    assert prompt_2 == (
+        f"{prompt_1}{CALL}<|im_end|>\n"
+        f"<|im_start|>user\n<tool_response>\n{result['output']}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
