@@ -74,7 +74,7 @@ def serve_in_thread(app) -> Iterator[str]:
     """Serves `app` with uvicorn on a free local port in a background thread; yields the base URL.
 
     For clients that need a real socket (their own HTTP stack, streaming as it arrives)."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
