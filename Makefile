@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+# the Codex CLI the slow client test drives (tests/serving/test_codex_cli.py pins the same version)
+CODEX_VERSION := 0.171.0
+CODEX_STAMP := .npm-tools/.codex-$(CODEX_VERSION)
 
 .PHONY: serve test test-slow bench lint
 
@@ -24,7 +27,13 @@ test: $(TEST_STAMP)
 	$(VENV)/bin/ruff check hybridserve tests benchmarks
 	$(VENV)/bin/pytest -q $(ARGS)
 
-test-slow: $(TEST_STAMP)  # pytest exits 5 when no test is marked slow: that is not a failure
+# The Codex CLI goes into the git-ignored .npm-tools/, pinned; without npm its test skips.
+$(CODEX_STAMP):
+	@if command -v npm >/dev/null; then \
+		npm install --prefix .npm-tools --no-save --no-audit --no-fund -q @openai/codex@$(CODEX_VERSION) && touch $@; \
+	else echo "npm not found: the Codex CLI test will skip"; fi
+
+test-slow: $(TEST_STAMP) $(CODEX_STAMP)  # pytest exits 5 when no test is marked slow: that is not a failure
 	$(VENV)/bin/pytest -q -m slow $(ARGS) || [ $$? -eq 5 ]
 
 bench: $(STAMP)  # hybridserve vs vLLM's CPU build, side by side (docs/benchmarks.md)

@@ -1,8 +1,10 @@
 """A scripted test double of `hybridserve.engine.async_llm.AsyncLLM` for testing the HTTP layer exactly.
 
 Every sequence replays `scripts[index % len(scripts)]`, one token per step (sequences interleave), with a
-real tokenizer for the text. It finishes with "stop" when its script runs out, a stop string appears or
-a stop token id is emitted, and with "length" at max_tokens. Logprobs are synthetic and exact:
+real tokenizer for the text. A multi-turn test queues one script per call in `turns`: each generate() call
+takes the next one for all its sequences, and falls back to `scripts` once the queue is empty.
+It finishes with "stop" when its script runs out, a stop string appears or a stop token id is emitted, and with
+"length" at max_tokens. Logprobs are synthetic and exact:
 token at position p has logprob -(p + 1) / 8, and its top list is [sampled, id+1, id+2, ...] with
 logprobs lp, lp - 1, lp - 2, ... (binary fractions, so tests compare them with ==).
 """
@@ -23,6 +25,7 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.scripts = scripts
+        self.turns: list[list[int]] = []  # one script per generate() call, consumed in order, before `scripts`
         self.cached_tokens = 0
         self.error_at_step: int | None = None  # sequence 0 ends with finish_reason "error" at this step
         self.raise_at_step: int | None = None  # the iterator raises RuntimeError at this step
@@ -121,7 +124,8 @@ class FakeEngine:
             )
         self.calls.append((prompt_token_ids, params, request_id))
         self.running += 1
-        seqs = [_Sequence(self.scripts[i % len(self.scripts)]) for i in range(params.n)]
+        scripts = [self.turns.pop(0)] if self.turns else self.scripts
+        seqs = [_Sequence(scripts[i % len(scripts)]) for i in range(params.n)]
         step = 0
         try:
             while not all(s.finished for s in seqs):

@@ -1,9 +1,15 @@
-"""Shared test helpers: scripted tokens, SSE parsing, error bodies, and a raw ASGI driver."""
+"""Shared test helpers: scripted tokens, SSE parsing, error bodies, a raw ASGI driver, a threaded server."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
 
 # "The capital of France is Paris." then EOS (id 2, which decodes to "" with skip_special_tokens).
 PARIS = [504, 3575, 282, 4649, 314, 7042, 30, 2]
@@ -61,3 +67,25 @@ async def call_until_disconnect(app, path: str, body: dict, disconnect_after: as
     }
     await asyncio.wait_for(app(scope, receive, send), 10)
     return sent
+
+
+@contextlib.contextmanager
+def serve_in_thread(app) -> Iterator[str]:
+    """Serves `app` with uvicorn on a free local port in a background thread; yields the base URL.
+
+    For clients that need a real socket (their own HTTP stack, streaming as it arrives)."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
