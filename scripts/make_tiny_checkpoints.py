@@ -33,7 +33,10 @@ K3_TEMPLATE = (
     "<|close|>message<|sep|><|end_of_msg|>{% endfor %}"
     '{% if add_generation_prompt %}<|open|>message role="assistant"<|sep|><|open|>think<|sep|>{% endif %}'
 )
-BYTES = 256
+# Routed-expert choices are discontinuous: a token whose two best biased router scores tie exactly in fp32 is
+# routed by rounding, which batching changes. kimi-k3-tiny at seed 0 has such a tie on the engine tests'
+# prompts; seed 1 has none (smallest gap there ~4e-5).
+DEFAULT_SEEDS = {"kimi-linear-tiny": 0, "kimi-k3-tiny": 1}
 
 
 def byte_tokenizer(specials: list[str], eos: str, template: str) -> PreTrainedTokenizerFast:
@@ -130,8 +133,9 @@ def add_k3_parameters(out: Path, seed: int) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def make(out: Path, name: str, seed: int = 0) -> Path:
+def make(out: Path, name: str, seed: int | None = None) -> Path:
     """Write checkpoint `name` into `out / name`; returns that directory."""
+    seed = DEFAULT_SEEDS.get(name, 0) if seed is None else seed
     target = Path(out) / name
     target.mkdir(parents=True, exist_ok=True)
     if name == "kimi-linear-tiny":
@@ -152,7 +156,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("--name", action="append", choices=["kimi-linear-tiny", "kimi-k3-tiny"])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, help="default: each checkpoint's entry in DEFAULT_SEEDS")
     args = parser.parse_args()
     for name in args.name or ["kimi-linear-tiny", "kimi-k3-tiny"]:
         print(make(args.out, name, args.seed))
