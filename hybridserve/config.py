@@ -22,6 +22,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 2 * 1024**3
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes (tests use tiny budgets)
     enable_prefix_caching: bool = True
+    # Models with linear-attention layers: recurrent-state slots, one per running request (default:
+    # max_num_seqs). Admission needs a free slot as well as KV blocks.
+    num_state_slots: int | None = None
     long_prefill_token_threshold: int = 0  # >0: a prefill chunk takes at most this many tokens per step
     seed: int = 0
 
@@ -33,6 +36,8 @@ class EngineConfig:
                 raise InvalidParameter(name, f"{name} must be positive, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidParameter("max_model_len", f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_state_slots is not None and self.num_state_slots < 1:
+            raise InvalidParameter("num_state_slots", f"num_state_slots must be positive, got {self.num_state_slots}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidParameter("num_kv_blocks", f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.long_prefill_token_threshold < 0:

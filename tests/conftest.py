@@ -21,3 +21,24 @@ def hf_model(smollm2_dir: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> Path:
+    """kimi-linear-tiny and kimi-k3-tiny, made by scripts/make_tiny_checkpoints.py into a session tmp dir."""
+    from scripts.make_tiny_checkpoints import make
+
+    root = tmp_path_factory.mktemp("tiny-checkpoints")
+    for name in ("kimi-linear-tiny", "kimi-k3-tiny"):
+        make(root, name)
+    return root
+
+
+@pytest.fixture(scope="session")
+def kimi_linear_dir(tiny_checkpoints: Path) -> Path:
+    return tiny_checkpoints / "kimi-linear-tiny"
+
+
+@pytest.fixture(scope="session")
+def kimi_k3_dir(tiny_checkpoints: Path) -> Path:
+    return tiny_checkpoints / "kimi-k3-tiny"

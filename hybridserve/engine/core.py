@@ -42,7 +42,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, hf_dir: Path) -> None:
         self.runner = ModelRunner(config, hf_dir)
         self.max_model_len = min(config.max_model_len or self.runner.max_position, self.runner.max_position)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.runner.state_pool
+        )
         self.scheduler = Scheduler(config, self.kv)
         self._pending: list[EngineCoreOutput] = []
         self.grammars = GrammarCompiler(hf_dir, self.runner.vocab_size)
@@ -136,7 +138,10 @@ class EngineCore:
         if not plan.scheduled:
             return self._fail_unschedulable()
         tables = [self.kv.block_ids(s.request.request_id) for s in plan.scheduled]
-        sampled = self.runner.execute(plan, tables)
+        slots = None
+        if self.kv.states is not None:
+            slots = [self.kv.state_slot(s.request.request_id) for s in plan.scheduled]
+        sampled = self.runner.execute(plan, tables, slots)
         self.scheduler.complete_step(plan)
         outputs = []
         for s in plan.scheduled:

@@ -8,17 +8,18 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.cache.specs import CacheLayout
+from hybridserve.engine.cache.specs import CacheLayout, LinearStateSpec
+from hybridserve.engine.cache.state_pool import StatePool
 from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
 from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.engine.structured_output import GrammarBitmask, SequenceGrammar
-from hybridserve.models.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from hybridserve.models.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, StateMetadata
 from hybridserve.models.layers.linear import can_pack, pack_linears
+from hybridserve.models.layers.rope import RotaryEmbedding
 from hybridserve.models.loader.safetensors import load_state_dict, pack
-from hybridserve.models.registry import model_class
+from hybridserve.models.registry import load_config, model_class, state_adapter
 
 logger = logging.getLogger("hybridserve.engine")
 
@@ -57,13 +58,14 @@ class ModelRunner:
         self.dtype = choose_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         t0 = time.perf_counter()
-        self.hf_config = AutoConfig.from_pretrained(hf_dir)
+        self.hf_config = load_config(hf_dir)
+        cls = model_class(self.hf_config)
         with torch.device("meta"):
-            model = model_class(self.hf_config)(self.hf_config)
-        state = load_state_dict(hf_dir, self.dtype, self.device)
+            model = cls(self.hf_config)
+        state = load_state_dict(hf_dir, self.dtype, self.device, getattr(model, "fp32_parameters", ()))
         # Old Llama checkpoints carry the rotary table; the model computes its own.
         state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-        state = pack(state, model.packed_modules)
+        state = pack(state_adapter(cls)(state), model.packed_modules)
         unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
         if unexpected:
             raise ValueError(f"checkpoint {hf_dir} has parameters the model does not use: {unexpected[:5]}")
@@ -72,8 +74,10 @@ class ModelRunner:
         missing = [n for n, p in model.named_parameters() if p.is_meta]
         if missing:
             raise ValueError(f"checkpoint {hf_dir} lacks parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        # The rotary tables were computed on the CPU while the rest was built on meta.
-        model.rope.to(self.device, self.dtype)
+        # Rotary tables were computed on the CPU while the rest was built on meta.
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.to(self.device, self.dtype)
         if can_pack(self.device):
             pack_linears(model)
         self.model = model.eval()
@@ -94,16 +98,24 @@ class ModelRunner:
                 f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is smaller than one KV block "
                 f"({self.layout.bytes_per_block} bytes)"
             )
-        self.kv_caches = [
-            zeroed((2, s.num_kv_heads, self.num_blocks, s.block_size, s.head_dim), s.dtype, self.device)
-            for s in self.layout.layer_specs
-        ]
+        paged = iter([zeroed(s.shape(self.num_blocks), s.dtype, self.device) for s in self.layout.paged_specs])
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.layout.bytes_per_block / 1024**3,
         )
+        self.state_pool: StatePool | None = None
+        states = iter([])
+        if self.layout.state_specs:
+            slots = config.num_state_slots or config.max_num_seqs
+            self.state_pool = StatePool(self.layout.state_specs, slots, self.device, zeroed)
+            states = iter(self.state_pool.layers)
+            logger.info("recurrent state: %d slots of %.2f MiB", slots, self.layout.bytes_per_state_slot / 1024**2)
+        # Per layer, in layer order: a paged cache tensor, or a (conv tails, states) pair of the state pool.
+        self.kv_caches = [
+            next(states) if isinstance(s, LinearStateSpec) else next(paged) for s in self.layout.layer_specs
+        ]
         self.sampler = Sampler(self.vocab_size)
         self.sampling_states: dict[str, SamplingState] = {}
         self.grammar_bitmask = GrammarBitmask(self.vocab_size)
@@ -111,18 +123,25 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.sampling_states.pop(request_id, None)
 
-    def attention_metadata(self, out: SchedulerOutput, block_tables: list[list[int]]) -> AttentionMetadata:
-        """Cache slots, the decode group and the prefill chunks of a step, built once for every layer."""
+    def attention_metadata(
+        self, out: SchedulerOutput, block_tables: list[list[int]], state_slots: list[int] | None = None
+    ) -> AttentionMetadata:
+        """Cache slots, the decode group and the prefill chunks of a step, built once for every layer;
+        with `state_slots` (one per scheduled request), the recurrent-state slots of each group."""
         bs, dev = self.block_size, self.device
         slots: list[int] = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        decode_states: list[int] = []
+        prefill_states: list[int] = []
         offset = 0
-        for s, table in zip(out.scheduled, block_tables, strict=True):
+        for i, (s, table) in enumerate(zip(out.scheduled, block_tables, strict=True)):
             start, n = s.request.num_computed_tokens, s.num_new_tokens
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if state_slots is not None:
+                (decode_states if n == 1 else prefill_states).append(state_slots[i])
             if n == 1:
                 decode_rows.append(offset)
                 decode_tables.append(table[: -(-(start + 1) // bs)])
@@ -146,11 +165,18 @@ class ModelRunner:
             visible = torch.arange(width * bs, device=dev).unsqueeze(0) < lens
             bias = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
             decode = DecodeGroup(torch.tensor(decode_rows, device=dev), tables, tables.flatten(), bias.unsqueeze(1))
-        return AttentionMetadata(torch.tensor(slots, device=dev), decode, prefills)
+        states = None
+        if state_slots is not None:
+            decode_slots = torch.tensor(decode_states, device=dev) if decode_states else None
+            states = StateMetadata(decode_slots, prefill_states)
+        return AttentionMetadata(torch.tensor(slots, device=dev), decode, prefills, states)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> dict[str, SampleResult]:
-        """Run one step; returns the sampled token of every request whose last known token was computed."""
+    def execute(
+        self, out: SchedulerOutput, block_tables: list[list[int]], state_slots: list[int] | None = None
+    ) -> dict[str, SampleResult]:
+        """Run one step; returns the sampled token of every request whose last known token was computed.
+        `state_slots`: each scheduled request's recurrent-state slot (models with linear attention)."""
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -172,7 +198,7 @@ class ModelRunner:
                 if req.grammar is not None:
                     grammars.append((len(states), req.grammar))
                 states.append(state)
-        meta = self.attention_metadata(out, block_tables)
+        meta = self.attention_metadata(out, block_tables, state_slots)
         hidden = self.model(
             torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.kv_caches, meta
         )

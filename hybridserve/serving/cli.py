@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="number of KV-cache blocks (overrides --kv-cache-memory-bytes)",
     )
     serve.add_argument(
+        "--num-state-slots",
+        type=int,
+        default=_DEFAULTS["num_state_slots"],
+        help="models with linear attention: recurrent-state slots, one per running request (default: max-num-seqs)",
+    )
+    serve.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=_DEFAULTS["enable_prefix_caching"],
@@ -190,6 +196,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_kv_blocks=args.num_kv_blocks,
+        num_state_slots=args.num_state_slots,
         enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         seed=args.seed,

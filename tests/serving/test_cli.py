@@ -72,6 +72,8 @@ def test_flags_map_to_engine_config():
             "3",
             "--long-prefill-token-threshold",
             "64",
+            "--num-state-slots",
+            "5",
         ]
     )
     assert cli.engine_config(args) == EngineConfig(
@@ -85,6 +87,7 @@ def test_flags_map_to_engine_config():
         block_size=32,
         kv_cache_memory_bytes=512 * 1024**2,
         num_kv_blocks=100,
+        num_state_slots=5,
         enable_prefix_caching=False,
         long_prefill_token_threshold=64,
         seed=3,

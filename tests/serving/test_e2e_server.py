@@ -29,14 +29,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A real `hybridserve serve` subprocess, healthy, stopped (SIGINT) on exit."""
+def running_server(log: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A real `hybridserve serve [args]` subprocess, healthy, stopped (SIGINT) on exit."""
     port = free_port()
     cmd = [
         sys.executable,
         "-m",
         "hybridserve.serving.cli",
         "serve",
+        *args,
         "--port",
         str(port),
         "--api-key",

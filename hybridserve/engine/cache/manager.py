@@ -1,17 +1,25 @@
-"""The cache facade the scheduler sees: blocks per request, prefix lookups, usage."""
+"""The cache facade the scheduler sees: blocks per request, recurrent-state slots, prefix lookups, usage.
+
+For models with linear-attention layers every running request also holds a state slot: admission needs
+both a slot and the blocks, and preemption gives both back.
+"""
 
 from __future__ import annotations
 
 from hybridserve.engine.cache.block_pool import Block, BlockPool
 from hybridserve.engine.cache.prefix_hash import ROOT_HASH, BlockHash, hash_block
+from hybridserve.engine.cache.state_pool import StatePool
 from hybridserve.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, states: StatePool | None = None
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.states = states
         self.req_blocks: dict[str, list[Block]] = {}
         self._req_hashes: dict[str, list[BlockHash]] = {}
         self.prefix_queries = 0
@@ -23,6 +31,11 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks[request_id]]
+
+    def state_slot(self, request_id: str) -> int:
+        if self.states is None:
+            raise RuntimeError("this model keeps no recurrent state")
+        return self.states.slot(request_id)
 
     def _hashes(self, request: Request, num_tokens: int) -> list[BlockHash]:
         """Chained hashes of the request's full blocks among its first `num_tokens` tokens, memoised."""
@@ -36,7 +49,8 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> list[Block]:
         """Blocks already holding a prefix of the request. The last token is always recomputed (its
         logits are needed), so at most (num_tokens - 1) // block_size blocks can hit."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or self.states is not None:
+            # A hit must also restore the recurrent state at the hit's end, which needs a state snapshot.
             return []
         limit = (request.num_tokens - 1) // self.block_size
         hits = []
@@ -59,6 +73,11 @@ class KVCacheManager:
         num_evictable_hits = sum(1 for b in cached if b.ref_cnt == 0)
         if num_needed > self.pool.num_free - num_evictable_hits:
             return False
+        states = self.states
+        if states is not None and request.request_id not in states.owner:
+            if states.num_free == 0:
+                return False
+            states.allocate(request.request_id)  # zeroed: a fresh or resumed request starts from no state
         self.pool.touch(cached)
         if cached or not blocks:
             self.prefix_queries += request.num_tokens
@@ -78,6 +97,8 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.release(list(reversed(blocks)))
         self._req_hashes.pop(request.request_id, None)
+        if self.states is not None:
+            self.states.free(request.request_id)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
@@ -85,3 +106,9 @@ class KVCacheManager:
         refs = sum(b.ref_cnt for b in self.pool.blocks)
         if held != refs:
             raise AssertionError(f"requests hold {held} block references but ref counts sum to {refs}")
+        if self.states is not None:
+            self.states.check_integrity()
+            if set(self.states.owner) != set(self.req_blocks):
+                raise AssertionError(
+                    f"state slots held by {sorted(self.states.owner)} != blocks held by {sorted(self.req_blocks)}"
+                )

@@ -32,12 +32,21 @@ class PrefillChunk:
 
 
 @dataclass
+class StateMetadata:
+    """Recurrent-state slots of the step's requests, for linear-attention layers."""
+
+    decode_slots: torch.Tensor | None  # [B], aligned with DecodeGroup.token_index
+    prefill_slots: list[int]  # aligned with AttentionMetadata.prefills
+
+
+@dataclass
 class AttentionMetadata:
     """Built once per step by the model runner, shared by every attention layer."""
 
     slot_mapping: torch.Tensor  # [T] cache slot (block_id * block_size + offset) of each token
     decode: DecodeGroup | None
     prefills: list[PrefillChunk]
+    states: StateMetadata | None = None  # only for models with linear-attention layers
     # Gather buffers reused by every layer of the step (layers of one kind share a shape): allocating
     # megabytes per layer costs more than the gather itself on CPU.
     workspace: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)

@@ -34,8 +34,11 @@ def weight_files(hf_dir: Path) -> list[Path]:
     return files
 
 
-def load_state_dict(hf_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory on `device`; floating-point tensors are cast to `dtype`."""
+def load_state_dict(
+    hf_dir: Path, dtype: torch.dtype, device: torch.device, fp32_suffixes: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory on `device`; floating-point tensors are cast to `dtype`, except those
+    whose names end with one of `fp32_suffixes`, which become float32."""
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(Path(hf_dir)):
         with safe_open(file, framework="pt", device=str(device)) as f:
@@ -43,7 +46,9 @@ def load_state_dict(hf_dir: Path, dtype: torch.dtype, device: torch.device) -> d
                 if name in state:
                     raise ValueError(f"tensor {name!r} appears in more than one shard of {hf_dir} (again in {file})")
                 tensor = f.get_tensor(name)
-                state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                if tensor.is_floating_point():
+                    tensor = tensor.float() if name.endswith(fp32_suffixes) else tensor.to(dtype)
+                state[name] = tensor
     return state
 
 

@@ -1,0 +1,173 @@
+"""Kimi Linear and Kimi K3 text models over a flat token batch: KDA and MLA layers, dense and MoE MLPs.
+
+A layer's token mixer is KDA (fixed-size recurrent state per request) or MLA (a paged latent per token), as
+the config's 1-based `linear_attn_config` lists say. K3 switches, each off unless the config sets it:
+`attn_res_block_size` (block attention residuals: a depth mix replaces the residual sum, see
+layers/depth_mix.py), `mla_use_output_gate` (sigmoid gate on MLA's output) and
+`linear_attn_config.gate_lower_bound` (the bounded KDA decay).
+
+Parameter names follow the checkpoint's after the loader's renames (loader/kimi_linear.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from hybridserve.engine.cache.specs import LayerSpec, LinearStateSpec, MLASpec
+from hybridserve.models.layers.attention import AttentionMetadata
+from hybridserve.models.layers.depth_mix import DepthMix, DepthStream
+from hybridserve.models.layers.kda import KDAConfig, KimiDeltaAttention
+from hybridserve.models.layers.mla import MLAConfig, MultiheadLatentAttention
+from hybridserve.models.layers.moe import GatedMLP, MoEConfig, SparseMoE
+
+LayerCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _linear_attn(config: PretrainedConfig) -> dict:
+    return getattr(config, "linear_attn_config", None) or {}
+
+
+def kda_config(config: PretrainedConfig) -> KDAConfig:
+    return KDAConfig(
+        hidden_size=config.hidden_size,
+        num_heads=config.linear_num_heads,
+        head_dim=config.linear_head_dim,
+        conv_kernel=config.linear_conv_kernel_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        gate_lower_bound=_linear_attn(config).get("gate_lower_bound"),
+    )
+
+
+def mla_config(config: PretrainedConfig) -> MLAConfig:
+    if config.num_key_value_heads != config.num_attention_heads:
+        raise ValueError("MLA with num_key_value_heads != num_attention_heads is not supported")
+    return MLAConfig(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        q_lora_rank=config.q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        output_gate=bool(getattr(config, "mla_use_output_gate", False)),
+    )
+
+
+def moe_config(config: PretrainedConfig) -> MoEConfig:
+    return MoEConfig(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.moe_intermediate_size,
+        num_experts=config.num_local_experts,
+        top_k=config.num_experts_per_tok,
+        num_shared_experts=config.n_shared_experts,
+        n_group=config.n_group or 1,
+        topk_group=config.topk_group or 1,
+        renormalize=config.norm_topk_prob,
+        routed_scaling_factor=config.routed_scaling_factor,
+    )
+
+
+class KimiDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, depth_mix: bool) -> None:
+        super().__init__()
+        self.is_kda = config.layer_types[layer_idx] == "linear_attention"
+        self.self_attn: nn.Module = (
+            KimiDeltaAttention(kda_config(config)) if self.is_kda else MultiheadLatentAttention(mla_config(config))
+        )
+        self.mlp: nn.Module = (
+            SparseMoE(moe_config(config))
+            if config.mlp_layer_types[layer_idx] == "sparse"
+            else GatedMLP(config.hidden_size, config.intermediate_size)
+        )
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if depth_mix:
+            self.self_attention_res = DepthMix(config.hidden_size, config.rms_norm_eps)
+            self.mlp_res = DepthMix(config.hidden_size, config.rms_norm_eps)
+
+    def mixer(self, x: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x), cache, meta)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
+        """The residual-sum form (Kimi Linear)."""
+        x = x + self.mixer(x, cache, meta)
+        return x + self.ffn(x)
+
+    def forward_depth_mix(self, stream: DepthStream, cache: LayerCache, meta: AttentionMetadata) -> None:
+        """The block attention residual form (K3): each sublayer reads a depth mix of the stream."""
+        stream.add(self.mixer(self.self_attention_res(stream.values()), cache, meta))
+        stream.add(self.ffn(self.mlp_res(stream.values())))
+
+
+class KimiLinearModel(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.block_size: int | None = getattr(config, "attn_res_block_size", None)
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"attn_res_block_size must be positive, got {self.block_size}")
+        depth_mix = self.block_size is not None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(KimiDecoderLayer(config, i, depth_mix) for i in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if depth_mix:
+            self.output_res = DepthMix(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, caches: list[LayerCache], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.block_size is None:
+            for layer, cache in zip(self.layers, caches, strict=True):
+                x = layer(x, cache, meta)
+            return self.norm(x)
+        stream = DepthStream(x)
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            layer.forward_depth_mix(stream, cache, meta)
+            if (i + 1) % self.block_size == 0:
+                stream.seal()
+        return self.norm(self.output_res(stream.values()))  # mix, then norm
+
+
+class KimiLinearForCausalLM(nn.Module):
+    # Checkpoint projections computed as one matmul each (see loader.safetensors.pack).
+    packed_modules = {
+        "in_proj": ("f_a_proj", "g_a_proj", "b_proj", "q_proj", "k_proj", "v_proj"),
+        "conv1d": ("q_conv1d", "k_conv1d", "v_conv1d"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+    # Kept in float32 whatever the model dtype: the decay's parameters and the router.
+    fp32_parameters = ("A_log", "dt_bias", ".gate.weight", "e_score_correction_bias")
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = KimiLinearModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def cache_spec(self, block_size: int, dtype: torch.dtype) -> tuple[LayerSpec, ...]:
+        specs: list[LayerSpec] = []
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            if isinstance(attn, KimiDeltaAttention):
+                specs.append(
+                    LinearStateSpec(attn.num_heads, attn.head_dim, 3 * attn.dim, attn.conv1d.kernel_size[0], dtype)
+                )
+            else:
+                specs.append(MLASpec(block_size, attn.latent_dim, dtype))
+        return tuple(specs)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens. No layer uses
+        positions (MLA here is NoPE; KDA is ordered by its state)."""
+        return self.model(input_ids, caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
