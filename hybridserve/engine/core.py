@@ -8,6 +8,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
 import xgrammar as xgr
 
 from hybridserve.config import EngineConfig
@@ -40,6 +41,8 @@ class _Compiling(NamedTuple):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, hf_dir: Path) -> None:
+        # Requests without a seed draw from the global generators: --seed makes a server's run reproducible.
+        torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, hf_dir)
         self.max_model_len = min(config.max_model_len or self.runner.max_position, self.runner.max_position)
         self.kv = KVCacheManager(

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -267,3 +268,45 @@ def test_responses_knows_paris(client):
     assert "".join(deltas) == r.output_text
     if final is not None:
         assert final.output_text == r.output_text
+
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "country": {"type": "string", "enum": ["France", "Italy"]}},
+    "required": ["city", "country"],
+}
+
+
+def test_chat_json_schema_is_enforced(client):
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Name a city in France."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": CITY_SCHEMA}},
+        temperature=0,
+        max_tokens=48,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"city", "country"} and value["country"] in ("France", "Italy")
+
+
+def test_responses_required_tool_choice_gives_a_valid_call(client):
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "Current weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        }
+    ]
+    r = client.responses.create(
+        model="smollm2",
+        input="What is the weather in Paris?",
+        tools=tools,
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=64,
+    )
+    [call] = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    assert r.status == "completed"

@@ -251,3 +251,11 @@ def test_chat_history_with_calls_renders_as_hermes(client, engine):
         "<|im_end|>\n<|im_start|>assistant\n"
     )
     assert json.loads(ARGS) == {"city": "Paris"}
+
+
+def test_developer_messages_are_system_for_templates_without_that_role(client, engine):
+    messages = [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+    client.post("/v1/responses", json={"input": messages})
+    assert prompt_text(engine) == (
+        "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )

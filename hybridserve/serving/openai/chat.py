@@ -6,6 +6,7 @@ Each choice's text goes through its parser: reasoning becomes `reasoning_content
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -22,6 +23,7 @@ from hybridserve.serving.openai.models import check_model
 from hybridserve.serving.openai.prompt import PromptRenderer
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
+from hybridserve.serving.openai.structured import structured_output
 from hybridserve.serving.openai.tools import output_parser, tool_request
 from hybridserve.serving.parsers import Parsers, Piece, Reasoning, StreamParser, Text, ToolCall
 from hybridserve.serving.parsers.base import merged
@@ -43,6 +45,8 @@ class ChatService:
         max_param = req.max_tokens_param
         renames = {"max_tokens": max_param, "logprobs": "top_logprobs"}
         params = req.sampling_params(req.num_logprobs(), req.requested_max_tokens, renames, self.vocab_size)
+        constraint = structured_output(req.response_format, tools, param="response_format", nested=True)
+        params = dataclasses.replace(params, structured_output=constraint)
         prompt = self.renderer.render(req.template_messages(), tools.template_tools(), req.chat_template_kwargs)
         params = fit_to_context(
             params,

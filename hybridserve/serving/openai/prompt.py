@@ -1,7 +1,8 @@
 """Chat messages → prompt: the model's chat template, with tools where the template knows them.
 
 Templates that take `tools` get them (and earlier calls' arguments as objects, which is what Hugging Face
-templates index into); templates that do not get the Hermes text form instead (see tools.py).
+templates index into); templates that do not get the Hermes text form instead (see tools.py). Templates
+that do not know the `developer` role (OpenAI's newer name for system) get those messages as system.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class PromptRenderer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.native_tools = template_supports_tools(tokenizer.chat_template)
+        self.knows_developer = "developer" in (tokenizer.chat_template or "")
 
     def render(
         self,
@@ -40,6 +42,8 @@ class PromptRenderer:
     ) -> Prompt:
         """The prompt for `messages`, ending with the assistant's turn; a template error is a 400 on `param`."""
         kwargs = {"add_generation_prompt": True, **(template_kwargs or {}), "tokenize": False}
+        if not self.knows_developer:
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         if self.native_tools:
             messages = [_arguments_as_objects(m) for m in messages]
             if tools:

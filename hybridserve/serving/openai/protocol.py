@@ -103,6 +103,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
 
     @property
     def max_tokens_param(self) -> str:

@@ -65,10 +65,6 @@ class ResponsesRequest(BaseModel):
     def check_supported(self) -> None:
         if self.background and self.store is False:
             raise APIError(400, "Background mode requires 'store' to be true.", param="background")
-        fmt = (self.text or {}).get("format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-            raise not_supported(f"text.format of type {kind!r}", "text.format")
         if self.truncation not in (None, "auto", "disabled"):
             raise APIError(400, "truncation must be 'auto' or 'disabled'.", param="truncation", code="invalid_value")
 
@@ -221,7 +217,7 @@ def base_response(req: ResponsesRequest, response_id: str, model: str) -> dict[s
         "reasoning": req.reasoning,
         "store": bool(req.store),
         "temperature": 1.0 if req.temperature is None else req.temperature,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "tool_choice": "auto" if req.tool_choice is None else req.tool_choice,
         "tools": [_echo_tool(tool) for tool in req.tools or []],
         "top_p": 1.0 if req.top_p is None else req.top_p,

@@ -6,6 +6,7 @@ GenerationRun, so usage, metrics, engine failures and client disconnects behave 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -32,6 +33,7 @@ from hybridserve.serving.openai.responses.protocol import (
 )
 from hybridserve.serving.openai.responses.store import ResponseStore
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect
+from hybridserve.serving.openai.structured import structured_output
 from hybridserve.serving.openai.tools import ToolRequest, output_parser, tool_request
 from hybridserve.serving.parsers import Parsers
 from hybridserve.serving.postprocess import PooledResponseRun, PostprocessPool, ResponseJob
@@ -72,6 +74,8 @@ class ResponsesService:
         conversation = self._history(req.previous_response_id) + items
         sampling = SamplingRequest(temperature=req.temperature, top_p=req.top_p, user=req.user)
         params = sampling.sampling_params(None, req.max_output_tokens, RENAMES, self.vocab_size)
+        constraint = structured_output((req.text or {}).get("format"), tools, param="text.format", nested=False)
+        params = dataclasses.replace(params, structured_output=constraint)
         prompt = self._prompt(req.instructions, conversation, len(items), tools, params.max_tokens, req.truncation)
         params = fit_to_context(
             params,
