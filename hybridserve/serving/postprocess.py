@@ -98,7 +98,8 @@ class _Job:
         self.cached_tokens = 0
         self.seq = SequenceOutput(tokenizer, job.request, 0)
         parser = output_parser(job.parsers, job.prompt_text, job.tools)
-        self.formatter = ResponseFormatter(job.base, parser, job.stream)
+        logprobs = job.request.sampling_params.logprobs is not None
+        self.formatter = ResponseFormatter(job.base, parser, job.stream, logprobs=logprobs)
 
     def start(self) -> Processed:
         return Processed(self.request_id, b"".join(self.formatter.start()))

@@ -51,7 +51,7 @@ def both(tokenizer, pool, body: dict, scripts: list[list[int]], **engine_setup):
 
 @pytest.mark.parametrize("max_output_tokens", [None, 3])
 def test_non_streamed_responses_are_identical(tokenizer, pool, max_output_tokens):
-    body = {"input": ASK, "max_output_tokens": max_output_tokens}
+    body = {"input": ASK, "max_output_tokens": max_output_tokens, "top_logprobs": 2}
     (local, _, _), (pooled, engine, stored) = both(tokenizer, pool, body, [PARIS])
     assert pooled.status_code == 200
     check(pooled.json(), "Response")

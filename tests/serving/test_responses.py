@@ -66,6 +66,7 @@ def expected_response(body: dict, **fields) -> dict:
         "tool_choice": "auto",
         "tools": [],
         "top_p": 1.0,
+        "top_logprobs": 0,
         "truncation": "disabled",
         "usage": USAGE_37_8,
         "metadata": {},
@@ -392,20 +393,6 @@ def test_restart_keeps_stored_responses(tokenizer, tmp_path):
             "not_found",
         ),
         (
-            {"input": ASK, "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
-            400,
-            "text.format of type 'json_schema' is not supported yet.",
-            "text.format",
-            "unsupported_value",
-        ),
-        (
-            {"input": ASK, "text": {"format": {"type": "json_object"}}},
-            400,
-            "text.format of type 'json_object' is not supported yet.",
-            "text.format",
-            "unsupported_value",
-        ),
-        (
             {
                 "input": [
                     {"role": "user", "content": ASK},
@@ -521,3 +508,33 @@ def test_retrieve_and_delete_errors(client):
         assert_error(r, 404, "Response with id 'resp_nope' not found.", code="not_found")
     r = client.get("/v1/responses/abc/input_items")
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_id"
+
+
+def expected_logprobs(engine, tokens: list[int], k: int, first_position: int = 0) -> list[dict]:
+    """The fake engine's exact logprobs for `tokens` at consecutive positions, in the Responses shape."""
+    out = []
+    for position, token in enumerate(tokens, start=first_position):
+        lp = engine.logprob(token, position, k)
+        top = [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in lp.top]
+        out.append({"token": lp.token, "logprob": lp.logprob, "bytes": lp.bytes, "top_logprobs": top})
+    return out
+
+
+def test_logprobs_when_included(client, engine):
+    body = {"input": ASK, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    response = client.post("/v1/responses", json=body).json()
+    check(response, "Response")
+    assert response["top_logprobs"] == 2
+    part = response["output"][0]["content"][0]
+    assert part["logprobs"] == expected_logprobs(engine, PARIS[:7], 2)  # EOS has no text and no logprob here
+    assert engine.calls[0][1].logprobs == 2
+    evs = events(client.post("/v1/responses", json={**body, "stream": True}).text)
+    deltas = [e for e in evs if e["type"] == "response.output_text.delta"]
+    assert [d["logprobs"] for d in deltas] == [[lp] for lp in expected_logprobs(engine, PARIS[:7], 2)]
+    done = next(e for e in evs if e["type"] == "response.output_text.done")
+    assert done["logprobs"] == part["logprobs"]
+
+
+def test_no_logprobs_unless_asked(client, engine):
+    response = client.post("/v1/responses", json={"input": ASK}).json()
+    assert response["output"][0]["content"][0]["logprobs"] == [] and engine.calls[0][1].logprobs is None

@@ -15,10 +15,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from hybridserve.engine.outputs import Logprob
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import json_response
-from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, stream_frame
+from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, logprobs_content, stream_frame
 from hybridserve.serving.openai.models import check_model
 from hybridserve.serving.openai.prompt import PromptRenderer
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
@@ -69,18 +68,6 @@ class ChatService:
         if req.stream:
             return EventStreamResponse(_stream(run, head, parsers, req.include_usage, want_logprobs))
         return await cancel_on_disconnect(request, _complete(run, head, parsers, want_logprobs))
-
-
-def logprobs_content(logprobs: list[Logprob]) -> list[dict]:
-    return [
-        {
-            "token": lp.token,
-            "logprob": max(lp.logprob, -9999.0),
-            "bytes": lp.bytes,
-            "top_logprobs": [{"token": t.token, "logprob": max(t.logprob, -9999.0), "bytes": t.bytes} for t in lp.top],
-        }
-        for lp in logprobs
-    ]
 
 
 def _finish_reason(reason: str | None, calls: int) -> str | None:

@@ -68,6 +68,18 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     }
 
 
+def logprobs_content(logprobs: list[Logprob]) -> list[dict]:
+    return [
+        {
+            "token": lp.token,
+            "logprob": max(lp.logprob, -9999.0),
+            "bytes": lp.bytes,
+            "top_logprobs": [{"token": t.token, "logprob": max(t.logprob, -9999.0), "bytes": t.bytes} for t in lp.top],
+        }
+        for lp in logprobs
+    ]
+
+
 class RunAccounting:
     """The metrics and usage counts of one API request's choices, fed each output as it arrives.
 

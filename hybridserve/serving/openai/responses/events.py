@@ -14,7 +14,7 @@ from typing import Any
 
 from hybridserve.engine.outputs import CompletionOutput
 from hybridserve.serving.openai.errors import APIError
-from hybridserve.serving.openai.generation import GenerationRun
+from hybridserve.serving.openai.generation import GenerationRun, logprobs_content
 from hybridserve.serving.openai.responses.output import EventWriter, OutputBuilder
 from hybridserve.serving.openai.responses.protocol import (
     cancelled_response,
@@ -22,7 +22,7 @@ from hybridserve.serving.openai.responses.protocol import (
     finished_response,
     usage,
 )
-from hybridserve.serving.parsers import StreamParser
+from hybridserve.serving.parsers import Piece, StreamParser, Text, ToolCall
 
 
 class ResponseFormatter:
@@ -30,8 +30,17 @@ class ResponseFormatter:
 
     A `background` response's base object is `queued`: its stream says so before it goes in_progress."""
 
-    def __init__(self, base: dict[str, Any], parser: StreamParser, stream: bool, background: bool = False) -> None:
+    def __init__(
+        self,
+        base: dict[str, Any],
+        parser: StreamParser,
+        stream: bool,
+        background: bool = False,
+        logprobs: bool = False,
+    ) -> None:
         self.base = base
+        self.logprobs = logprobs
+        self._pending_logprobs: list[dict[str, Any]] = []  # of tokens whose text is held back
         self.parser = parser
         self.event = EventWriter() if stream else None
         self.background = background
@@ -54,7 +63,9 @@ class ResponseFormatter:
         parser = self.parser
         was_reasoning = parser.in_reasoning
         pieces = parser.feed(out.delta_text)
-        frames = [frame for piece in pieces for frame in self.output.add(piece)]
+        if self.logprobs and not (was_reasoning or parser.in_reasoning):
+            self._pending_logprobs.extend(logprobs_content(out.delta_logprobs or []))
+        frames = [frame for piece in pieces for frame in self._add(piece)]
         if was_reasoning or parser.in_reasoning:
             self.reasoning_tokens += self._held + len(out.delta_token_ids)
             self._held = 0
@@ -64,13 +75,20 @@ class ResponseFormatter:
 
     def finish(self, finish_reason: str | None, chat_usage: dict[str, Any]) -> tuple[list[bytes], dict[str, Any]]:
         """The closing frames, the terminal event last, and the terminal object."""
-        frames = [frame for piece in self.parser.finish() for frame in self.output.add(piece)]
+        frames = [frame for piece in self.parser.finish() for frame in self._add(piece)]
         status = "incomplete" if finish_reason == "length" else "completed"
         frames.extend(self.output.finish(status))
         final = finished_response(self.base, self.output.items, status, usage(chat_usage, self.reasoning_tokens))
         if self.event is not None:
             frames.append(self.event(f"response.{status}", response=final))
         return frames, final
+
+    def _add(self, piece: Piece) -> list[bytes]:
+        """The piece's frames; a text piece carries the logprobs of the tokens behind it (a call's are dropped)."""
+        logprobs = None
+        if isinstance(piece, Text | ToolCall):
+            logprobs, self._pending_logprobs = self._pending_logprobs, []
+        return list(self.output.add(piece, logprobs if isinstance(piece, Text) else None))
 
     def fail(self, exc: APIError, chat_usage: dict[str, Any]) -> tuple[list[bytes], dict[str, Any]]:
         final = failed_response(self.base, exc, chat_usage)
@@ -106,7 +124,8 @@ class ResponseRun:
     async def events(self, stream: bool, background: bool = False) -> AsyncIterator[bytes]:
         """The event stream (`stream`), or nothing but `final` set; a non-streamed failure raises APIError."""
         run = self.run
-        fmt = self.formatter = ResponseFormatter(self.base, self.parser, stream, background)
+        logprobs = run.params[0].logprobs is not None
+        fmt = self.formatter = ResponseFormatter(self.base, self.parser, stream, background, logprobs)
         for frame in fmt.start():
             yield frame
         finish_reason = None

@@ -47,8 +47,10 @@ class OutputBuilder:
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None
         self._text: list[str] = []
+        self._logprobs: list[dict[str, Any]] = []
 
-    def add(self, piece: Piece) -> Iterator[bytes]:
+    def add(self, piece: Piece, logprobs: list[dict[str, Any]] | None = None) -> Iterator[bytes]:
+        """`logprobs` (LogProb objects) are those of the tokens behind a Text piece, when asked for."""
         kind = "reasoning" if isinstance(piece, Reasoning) else "message" if isinstance(piece, Text) else None
         if self._open is not None and (kind is None or self._open["type"] != kind):
             yield from self._close("completed")
@@ -59,7 +61,9 @@ class OutputBuilder:
             yield from self._start(kind)
         self._text.append(piece.text)
         delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {} if kind == "reasoning" else {"logprobs": logprobs or []}
+        if logprobs:
+            self._logprobs.extend(logprobs)
         yield from self._emit(delta, **self._where(), delta=piece.text, **extra)
 
     def finish(self, status: str) -> Iterator[bytes]:
@@ -75,8 +79,14 @@ class OutputBuilder:
         """The items so far, an open one included as incomplete; no events (the output was cut short)."""
         if self._open is None:
             return list(self.items)
-        part = reasoning_text_part if self._open["type"] == "reasoning" else output_text_part
-        return [*self.items, {**self._open, "status": "incomplete", "content": [part("".join(self._text))]}]
+        return [*self.items, {**self._open, "status": "incomplete", "content": [self._part()]}]
+
+    def _part(self) -> dict[str, Any]:
+        assert self._open is not None
+        text = "".join(self._text)
+        if self._open["type"] == "reasoning":
+            return reasoning_text_part(text)
+        return {**output_text_part(text), "logprobs": self._logprobs}
 
     def _start(self, kind: str | None) -> Iterator[bytes]:
         if kind == "reasoning":
@@ -85,20 +95,18 @@ class OutputBuilder:
         else:
             item = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
             part = output_text_part("")
-        self._open, self._text = item, []
+        self._open, self._text, self._logprobs = item, [], []
         yield from self._emit("response.output_item.added", output_index=len(self.items), item=dict(item))
         yield from self._emit("response.content_part.added", **self._where(), part=part)
 
     def _close(self, status: str) -> Iterator[bytes]:
-        item, text = self._open, "".join(self._text)
+        item, text, part = self._open, "".join(self._text), self._part()
         assert item is not None
         self._open = None
         if item["type"] == "reasoning":
-            part, done = reasoning_text_part(text), "response.reasoning_text.done"
-            extra = {}
+            done, extra = "response.reasoning_text.done", {}
         else:
-            part, done = output_text_part(text), "response.output_text.done"
-            extra = {"logprobs": []}
+            done, extra = "response.output_text.done", {"logprobs": part["logprobs"]}
         where = {"item_id": item["id"], "output_index": len(self.items), "content_index": 0}
         item = {**item, "status": status, "content": [part]}
         self.items.append(item)

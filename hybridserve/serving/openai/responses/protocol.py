@@ -14,6 +14,7 @@ from hybridserve.serving.openai.errors import APIError
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
 RESPONSE_ID_PREFIX = "resp_"
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 def new_id(prefix: str) -> str:
@@ -47,6 +48,7 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_logprobs: int | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = True
     previous_response_id: str | None = None
@@ -67,6 +69,12 @@ class ResponsesRequest(BaseModel):
             raise APIError(400, "Background mode requires 'store' to be true.", param="background")
         if self.truncation not in (None, "auto", "disabled"):
             raise APIError(400, "truncation must be 'auto' or 'disabled'.", param="truncation", code="invalid_value")
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token when logprobs are asked for (`include` or `top_logprobs`), else None."""
+        if LOGPROBS_INCLUDE in (self.include or ()) or self.top_logprobs is not None:
+            return self.top_logprobs or 0
+        return None
 
     def input_items(self, lookup: Callable[[str], dict[str, Any] | None]) -> list[dict[str, Any]]:
         """The input as stored items, each with an id; `lookup` resolves item references to stored items."""
@@ -221,6 +229,7 @@ def base_response(req: ResponsesRequest, response_id: str, model: str) -> dict[s
         "tool_choice": "auto" if req.tool_choice is None else req.tool_choice,
         "tools": [_echo_tool(tool) for tool in req.tools or []],
         "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_logprobs": req.top_logprobs or 0,
         "truncation": req.truncation or "disabled",
         "metadata": req.metadata or {},
         "prompt_cache_key": req.prompt_cache_key,

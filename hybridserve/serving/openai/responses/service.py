@@ -38,7 +38,7 @@ from hybridserve.serving.openai.tools import ToolRequest, output_parser, tool_re
 from hybridserve.serving.parsers import Parsers
 from hybridserve.serving.postprocess import PooledResponseRun, PostprocessPool, ResponseJob
 
-RENAMES = {"max_tokens": "max_output_tokens"}
+RENAMES = {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}
 UNFINISHED = "The server stopped before this response finished."
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class ResponsesService:
             raise APIError(400, "input must contain at least one item.", param="input", code="invalid_value")
         conversation = self._history(req.previous_response_id) + items
         sampling = SamplingRequest(temperature=req.temperature, top_p=req.top_p, user=req.user)
-        params = sampling.sampling_params(None, req.max_output_tokens, RENAMES, self.vocab_size)
+        params = sampling.sampling_params(req.num_logprobs(), req.max_output_tokens, RENAMES, self.vocab_size)
         constraint = structured_output((req.text or {}).get("format"), tools, param="text.format", nested=False)
         params = dataclasses.replace(params, structured_output=constraint)
         prompt = self._prompt(req.instructions, conversation, len(items), tools, params.max_tokens, req.truncation)
