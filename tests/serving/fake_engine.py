@@ -15,7 +15,13 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from hybridserve.engine.outputs import CompletionOutput, Logprob, RequestOutput, TopLogprob
-from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats
+from hybridserve.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+    TokenLogprobs,
+)
 from hybridserve.sampling_params import InvalidParameter, SamplingParams
 
 
@@ -79,7 +85,14 @@ class FakeEngine:
                     )
                     return
                 num_prompt = len(request.prompt_token_ids)
-                route(EngineCoreOutput(request.request_id, [token], None, finish, None, num_prompt, self.cached_tokens))
+                logprobs = None
+                if (k := request.sampling_params.logprobs) is not None:  # the same numbers as logprob() gives
+                    lp = -(step + 1) / 8
+                    logprobs = [TokenLogprobs(token, lp, 1, [(token + j, lp - j) for j in range(k)])]
+                out = EngineCoreOutput(
+                    request.request_id, [token], logprobs, finish, None, num_prompt, self.cached_tokens
+                )
+                route(out)
                 if finish is not None:
                     self.completed.append(request.request_id)
                     return
