@@ -2,6 +2,12 @@
 
 import openai
 import pytest
+from fastapi.testclient import TestClient
+
+from hybridserve.serving.app import build_app
+from hybridserve.serving.parsers import Parsers
+
+from .test_tools import ARGS, CALL, TOOLS, script
 
 TEXT = "The capital of France is Paris."
 
@@ -49,3 +55,18 @@ def test_stream_incomplete(sdk):
         "max_output_tokens",
         "The capital of",
     )
+
+
+def test_stream_helper_with_reasoning_and_a_function_call(engine, tokenizer):
+    """The typed helper accumulates reasoning text and the call's arguments from our events."""
+    engine.scripts = [script(tokenizer, "<think>Need data.</think>" + CALL)]
+    with TestClient(build_app(engine, None, parsers=Parsers("think", "hermes"))) as client:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="sk-none", http_client=client, max_retries=0)
+        with sdk.responses.stream(model="smollm2", input="Weather?", tools=TOOLS) as stream:
+            arg_deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+            final = stream.get_final_response()
+    assert "".join(arg_deltas) == ARGS
+    reasoning, call = final.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Need data."
+    assert (call.type, call.name, call.arguments, call.status) == ("function_call", "get_weather", ARGS, "completed")
+    assert final.usage.output_tokens_details.reasoning_tokens > 0
