@@ -248,12 +248,15 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         engine.shutdown()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int | None:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        serve(args, parser)
+        try:
+            serve(args, parser)
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown
+            return 130
 
 
 if __name__ == "__main__":
