@@ -24,7 +24,7 @@ serve: $(STAMP)
 	$(VENV)/bin/hybridserve serve $(ARGS)
 
 test: $(TEST_STAMP)
-	$(VENV)/bin/ruff check hybridserve tests benchmarks
+	$(VENV)/bin/ruff check hybridserve tests benchmarks scripts
 	$(VENV)/bin/pytest -q $(ARGS)
 
 # The Codex CLI goes into the git-ignored .npm-tools/, pinned; without npm its test skips.
@@ -41,5 +41,5 @@ bench: $(STAMP)  # hybridserve vs vLLM's CPU build, side by side (docs/benchmark
 	$(VENV)/bin/python benchmarks/serving_compare.py $(ARGS)
 
 lint: $(TEST_STAMP)
-	$(VENV)/bin/ruff check hybridserve tests benchmarks
-	$(VENV)/bin/ruff format --check hybridserve tests benchmarks
+	$(VENV)/bin/ruff check hybridserve tests benchmarks scripts
+	$(VENV)/bin/ruff format --check hybridserve tests benchmarks scripts
