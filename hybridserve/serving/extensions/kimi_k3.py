@@ -119,7 +119,8 @@ R = TypeVar("R", ChatCompletionRequest, ResponsesRequest)
 
 def _with_kwargs(request: R, derived: dict[str, Any]) -> R:
     """`request` with the derived kwargs under the client's own, then the sampling policy (when on)."""
-    request = request.model_copy(update={"chat_template_kwargs": {**derived, **(request.chat_template_kwargs or {})}})
+    kwargs = {**derived, **(request.chat_template_kwargs or {})}
+    request = request.model_copy(update={"chat_template_kwargs": kwargs})
     return enforce_kimi_param_policy(request) if policy_enabled() else request
 
 
@@ -139,10 +140,7 @@ class KimiK3ServingExtension(ServingExtension):
             **tool_choice_kwargs(request.tool_choice, request.tools),
             **response_format_kwargs(request.response_format, nested=True),
         }
-        request = request.model_copy(
-            update={"chat_template_kwargs": {**derived, **(request.chat_template_kwargs or {})}}
-        )
-        return enforce_kimi_param_policy(request) if policy_enabled() else request
+        return _with_kwargs(request, derived)
 
     def apply_responses_extensions(self, request: ResponsesRequest) -> ResponsesRequest:
         derived = {
@@ -150,10 +148,7 @@ class KimiK3ServingExtension(ServingExtension):
             **tool_choice_kwargs(request.tool_choice, request.tools),
             **response_format_kwargs((request.text or {}).get("format"), nested=False),
         }
-        request = request.model_copy(
-            update={"chat_template_kwargs": {**derived, **(request.chat_template_kwargs or {})}}
-        )
-        return enforce_kimi_param_policy(request) if policy_enabled() else request
+        return _with_kwargs(request, derived)
 
     def prepare_responses_history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return prepare_tool_history(messages)
