@@ -51,6 +51,13 @@ def byte_tokenizer(specials: list[str], eos: str, template: str) -> PreTrainedTo
     return fast
 
 
+def k3_tokenizer() -> PreTrainedTokenizerFast:
+    """The K3 test tokenizer: bytes plus K3's markup tokens (`<|open|>`, `<|sep|>`, `<|close|>`,
+    `<|end_of_msg|>`) as single special tokens, `<|end_of_msg|>` ending generation. The server renders K3
+    prompts with its own renderer (serving/extensions/kimi_k3.py); the template is for other tools."""
+    return byte_tokenizer(K3_SPECIALS, "<|end_of_msg|>", K3_TEMPLATE)
+
+
 def kimi_config(vocab_size: int, special_ids: dict[str, int], eos: str) -> dict:
     return dict(
         vocab_size=vocab_size,
@@ -143,7 +150,7 @@ def make(out: Path, name: str, seed: int | None = None) -> Path:
         ids = {s: tokenizer.convert_tokens_to_ids(s) for s in K2_SPECIALS}
         save_kimi_linear(target, kimi_config(len(tokenizer), ids, "<|im_end|>"), tokenizer, seed)
     elif name == "kimi-k3-tiny":
-        tokenizer = byte_tokenizer(K3_SPECIALS, "<|end_of_msg|>", K3_TEMPLATE)
+        tokenizer = k3_tokenizer()
         ids = {s: tokenizer.convert_tokens_to_ids(s) for s in K3_SPECIALS}
         save_kimi_linear(target, kimi_config(len(tokenizer), ids, "<|end_of_msg|>"), tokenizer, seed)
         add_k3_parameters(target, seed + 2)

@@ -40,6 +40,13 @@ def eos_token_ids(hf_dir: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]
     return ids
 
 
+def model_type(hf_dir: Path) -> str | None:
+    """The checkpoint's config.json `model_type` (None without one): it chooses the serving extension."""
+    config = hf_dir / "config.json"
+    value = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    return value if isinstance(value, str) else None
+
+
 class AsyncLLM:
     def __init__(
         self,
@@ -55,6 +62,7 @@ class AsyncLLM:
         self.model_name = model_name
         self.max_model_len = client.ready.max_model_len
         self.eos_token_ids = eos_ids
+        self.model_type = model_type(hf_dir)
         self._routes: dict[str, Callable[[EngineCoreOutput], None]] = {}  # engine request id → its reader
         self._stats = SchedulerStats()
         self._reader: asyncio.Task[None] | None = None

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from hybridserve.serving.extensions import ServingExtension, extension_for
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.chat import ChatService
 from hybridserve.serving.openai.completions import CompletionService
@@ -50,6 +51,7 @@ def build_app(
     retention: Retention | None = None,
     parsers: Parsers | None = None,
     postprocess: PostprocessPool | None = None,
+    extension: ServingExtension | None = None,
 ) -> FastAPI:
     """An app serving `engine` (an AsyncLLM); with `api_key`, every /v1 route requires that Bearer token.
 
@@ -57,13 +59,16 @@ def build_app(
     `retention` bounds the stored responses by count and age (default: Retention()). `parsers` reads
     reasoning and tool calls out of the output (default: what the model's chat template shows).
     `postprocess` (owned by the caller) takes the Responses API's text and event work off the event loop.
+    `extension` handles model-specific requests (default: the one registered for the engine's model_type).
     """
     metrics = ServingMetrics(engine.model_name, engine.stats)
     store = ResponseStore(":memory:" if data_dir is None else Path(data_dir) / DATABASE_FILE, retention)
+    if extension is None:
+        extension = extension_for(engine.model_type)
     if parsers is None:
-        parsers = default_parsers(engine.tokenizer)
-    chat = ChatService(engine, metrics, parsers)
-    responses = ResponsesService(engine, metrics, store, parsers, postprocess)
+        parsers = default_parsers(engine.tokenizer, extension)
+    chat = ChatService(engine, metrics, parsers, extension)
+    responses = ResponsesService(engine, metrics, store, parsers, extension, postprocess)
     completions = CompletionService(engine, metrics)
     models = ModelsService(engine)
 
@@ -141,8 +146,14 @@ def build_app(
     return app
 
 
-def default_parsers(tokenizer, reasoning: str | None = "auto", tool: str | None = "auto") -> Parsers:
-    """The parsers for this model's chat template, unless `reasoning` / `tool` name one (or "none")."""
+def default_parsers(
+    tokenizer, extension: ServingExtension, reasoning: str | None = "auto", tool: str | None = "auto"
+) -> Parsers:
+    """The parsers for this model (its extension's, else its chat template's), unless `reasoning` / `tool`
+    name one (or "none")."""
+    if extension.parsers is not None:
+        reasoning = extension.parsers[0] if reasoning == "auto" else reasoning
+        tool = extension.parsers[1] if tool == "auto" else tool
     template = tokenizer.chat_template
     return Parsers.choose(template, template_supports_tools(template), reasoning, tool)
 

@@ -230,16 +230,18 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     retention = Retention(args.response_store_max_count, args.response_store_max_age)
     from hybridserve.engine.async_llm import AsyncLLM  # heavy (torch): imported only to serve
     from hybridserve.serving.app import build_app, default_parsers
+    from hybridserve.serving.extensions import extension_for
     from hybridserve.serving.postprocess import PostprocessPool
 
     engine = AsyncLLM.from_config(config)
     pool = None
     try:
-        parsers = default_parsers(engine.tokenizer, args.reasoning_parser, args.tool_parser)
+        extension = extension_for(engine.model_type)
+        parsers = default_parsers(engine.tokenizer, extension, args.reasoning_parser, args.tool_parser)
         logger.info("output parsers: reasoning %s, tools %s", parsers.reasoning, parsers.tool)
         if args.num_postprocess_workers:
             pool = PostprocessPool(engine.hf_dir, args.num_postprocess_workers)
-        app = build_app(engine, args.api_key, args.data_dir, retention, parsers, pool)
+        app = build_app(engine, args.api_key, args.data_dir, retention, parsers, pool, extension)
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         ReadyServer(server_config, engine.model_name).run()
     finally:

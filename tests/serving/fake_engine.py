@@ -28,6 +28,7 @@ from hybridserve.sampling_params import InvalidParameter, SamplingParams
 class FakeEngine:
     def __init__(self, tokenizer, scripts: list[list[int]], *, max_model_len: int = 256) -> None:
         self.model_name = "smollm2"
+        self.model_type: str | None = None  # "kimi_k3" serves with the Kimi-K3 extension
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.scripts = scripts

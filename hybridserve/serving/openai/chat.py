@@ -15,36 +15,43 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from hybridserve.serving.extensions.base import ServingExtension
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import json_response
 from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, logprobs_content, stream_frame
 from hybridserve.serving.openai.models import check_model
-from hybridserve.serving.openai.prompt import PromptRenderer
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
 from hybridserve.serving.openai.structured import structured_output
-from hybridserve.serving.openai.tools import output_parser, tool_request
+from hybridserve.serving.openai.tools import output_parser, required_by, tool_request
 from hybridserve.serving.parsers import Parsers, Piece, Reasoning, StreamParser, Text, ToolCall
 from hybridserve.serving.parsers.base import merged
 
 
 class ChatService:
-    def __init__(self, engine, metrics: ServingMetrics, parsers: Parsers) -> None:
+    def __init__(self, engine, metrics: ServingMetrics, parsers: Parsers, extension: ServingExtension) -> None:
         self.engine = engine
         self.metrics = metrics
         self.parsers = parsers
-        self.renderer = PromptRenderer(engine.tokenizer)
+        self.extension = extension
+        self.renderer = extension.renderer(engine.tokenizer)
         self.vocab_size = len(engine.tokenizer)
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         check_model(self.engine, req.model)
         req.check_stream_options()
+        req = self.extension.apply_chat_extensions(req)
         tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, nested=True)
+        tools = required_by(tools, self.extension.required_tool_choice_mode())
         max_param = req.max_tokens_param
         renames = {"max_tokens": max_param, "logprobs": "top_logprobs"}
         params = req.sampling_params(req.num_logprobs(), req.requested_max_tokens, renames, self.vocab_size)
+        if self.extension.keeps_special_tokens and req.skip_special_tokens is None:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         constraint = structured_output(req.response_format, tools, param="response_format", nested=True)
+        if not tools.forced:
+            constraint = self.extension.structured_output(constraint, req.chat_template_kwargs or {})
         params = dataclasses.replace(params, structured_output=constraint)
         prompt = self.renderer.render(req.template_messages(), tools.template_tools(), req.chat_template_kwargs)
         params = fit_to_context(
@@ -65,9 +72,10 @@ class ChatService:
         }
         parsers = [output_parser(self.parsers, prompt.text, tools) for _ in range(run.num_choices)]
         want_logprobs = params.logprobs is not None
+        ids = prompt.ids if req.return_token_ids else None
         if req.stream:
-            return EventStreamResponse(_stream(run, head, parsers, req.include_usage, want_logprobs))
-        return await cancel_on_disconnect(request, _complete(run, head, parsers, want_logprobs))
+            return EventStreamResponse(_stream(run, head, parsers, req.include_usage, want_logprobs, ids))
+        return await cancel_on_disconnect(request, _complete(run, head, parsers, want_logprobs, ids))
 
 
 def _finish_reason(reason: str | None, calls: int) -> str | None:
@@ -80,7 +88,10 @@ def _tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     return {**body, "id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}
 
 
-async def _complete(run: GenerationRun, head: dict, parsers: list[StreamParser], want_logprobs: bool) -> Response:
+async def _complete(
+    run: GenerationRun, head: dict, parsers: list[StreamParser], want_logprobs: bool, prompt_ids: list[int] | None
+) -> Response:
+    """`prompt_ids` (return_token_ids): reported with each choice's output ids."""
     choices = []
     for index, (out, logprobs) in enumerate(await run.collect(want_logprobs)):
         parser = parsers[index]
@@ -102,12 +113,23 @@ async def _complete(run: GenerationRun, head: dict, parsers: list[StreamParser],
                 "stop_reason": out.stop_reason,
             }
         )
-    return json_response({**head, "object": "chat.completion", "choices": choices, "usage": run.usage()})
+        if prompt_ids is not None:
+            choices[-1]["token_ids"] = run.token_ids[index]
+    body = {**head, "object": "chat.completion", "choices": choices, "usage": run.usage()}
+    if prompt_ids is not None:
+        body["prompt_token_ids"] = prompt_ids
+    return json_response(body)
 
 
 async def _stream(
-    run: GenerationRun, head: dict, parsers: list[StreamParser], include_usage: bool, want_logprobs: bool
+    run: GenerationRun,
+    head: dict,
+    parsers: list[StreamParser],
+    include_usage: bool,
+    want_logprobs: bool,
+    prompt_ids: list[int] | None,
 ) -> AsyncIterator[bytes]:
+    """`prompt_ids` (return_token_ids): sent in each choice's first chunk, its output ids in its last."""
     if include_usage:
         head = {**head, "usage": None}
     calls = [0] * run.num_choices
@@ -134,7 +156,8 @@ async def _stream(
 
     async def choices() -> AsyncIterator[bytes]:
         for index in range(run.num_choices):
-            yield chunk(index, {"role": "assistant", "content": ""})
+            ids = {} if prompt_ids is None else {"prompt_token_ids": prompt_ids}
+            yield chunk(index, {"role": "assistant", "content": ""}, **ids)
         async for index, out, finished in run.outputs():
             logprobs = None
             if want_logprobs and out.delta_logprobs:
@@ -146,7 +169,8 @@ async def _stream(
                 yield frame
             if finished:
                 reason = _finish_reason(out.finish_reason, calls[index])
-                yield chunk(index, {}, None, reason, stop_reason=out.stop_reason)
+                ids = {} if prompt_ids is None else {"token_ids": run.token_ids[index]}
+                yield chunk(index, {}, None, reason, stop_reason=out.stop_reason, **ids)
 
     async for event in stream_frame(choices(), run, head if include_usage else None):
         yield event

@@ -155,6 +155,7 @@ class GenerationRun:
         self.n = params[0].n
         self.num_choices = len(prompts) * self.n
         self.accounting = RunAccounting(metrics, arrival, list(map(len, prompts)), self.n)
+        self.token_ids: list[list[int]] = [[] for _ in range(self.num_choices)]  # each choice's output so far
 
     def usage(self) -> dict:
         return self.accounting.usage()
@@ -188,6 +189,7 @@ class GenerationRun:
                 index = k * self.n + out.index
                 reason = out.finish_reason if ro.finished else None
                 acct.observe(k, index, len(out.delta_token_ids), out.num_output_tokens, ro.num_cached_tokens, reason)
+                self.token_ids[index].extend(out.delta_token_ids)
                 if out.finish_reason in ("error", "abort"):
                     raise engine_failure(out.finish_reason, out.error)
                 yield index, out, ro.finished

@@ -104,6 +104,9 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    thinking: bool | dict[str, Any] | None = None
+    return_token_ids: bool | None = None  # the prompt ids the engine received and each choice's output ids
 
     @property
     def max_tokens_param(self) -> str:

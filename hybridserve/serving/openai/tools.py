@@ -12,6 +12,7 @@ tool parser reads back.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -45,18 +46,22 @@ class ToolRequest:
     tools: tuple[FunctionTool, ...] = ()
     choice: str = "auto"  # auto, none, required, or the name of the one function to call
     parallel: bool = True
+    # "required" and "none" are enforced by the prompt (the model's template states them), not by a grammar
+    by_template: bool = False
 
     @property
     def parse_calls(self) -> bool:
         """Whether the model's free text is parsed for calls (forced calls are read as JSON instead)."""
-        return bool(self.tools) and self.choice == "auto"
+        return bool(self.tools) and (self.choice == "auto" or (self.by_template and self.choice == "required"))
 
     @property
     def forced(self) -> bool:
+        if self.by_template and self.choice == "required":
+            return False
         return bool(self.tools) and self.choice not in ("auto", "none")
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        if not self.tools or self.choice == "none":
+        if not self.tools or (self.choice == "none" and not self.by_template):
             return None
         return [tool.template_form() for tool in self.tools]
 
@@ -114,6 +119,11 @@ def output_parser(parsers: Parsers, prompt_text: str, tools: ToolRequest) -> Str
     if tools.forced:
         return ForcedCallParser(tools)
     return parsers.for_request(prompt_text, tools.parse_calls)
+
+
+def required_by(tools: ToolRequest, mode: str | None) -> ToolRequest:
+    """`tools` as a model whose extension enforces tool_choice "required" in `mode` serves them."""
+    return dataclasses.replace(tools, by_template=mode == "template")
 
 
 def _is_json(text: str) -> bool:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from hybridserve.serving.parsers.base import Piece, Reasoning, Text, ToolCall, merged
-from hybridserve.serving.parsers.reasoning import REASONING_PARSERS, ReasoningParser
-from hybridserve.serving.parsers.tools import TOOL_PARSERS, HermesToolParser
+from hybridserve.serving.parsers.base import Piece, Reasoning, ReasoningSplitter, Text, ToolCall, ToolSplitter, merged
+from hybridserve.serving.parsers.reasoning import REASONING_PARSERS
+from hybridserve.serving.parsers.tools import TOOL_PARSERS
 
 __all__ = ["OutputParser", "Parsers", "Piece", "Reasoning", "StreamParser", "Text", "ToolCall"]
 
@@ -62,7 +62,7 @@ class Parsers:
 class OutputParser:
     """Reasoning first, then tool calls in the visible text."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: HermesToolParser | None) -> None:
+    def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolSplitter | None) -> None:
         self.reasoning = reasoning
         self.tools = tools
 

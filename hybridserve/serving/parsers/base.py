@@ -8,6 +8,7 @@ text; `finish()` flushes what is left when the generation ends.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,21 @@ class ToolCall:
 
 
 Piece = Reasoning | Text | ToolCall
+
+
+class ToolSplitter(Protocol):
+    """A tool-call parser: visible text in, text and calls out."""
+
+    def feed(self, delta: str) -> list[Piece]: ...
+
+    def finish(self) -> list[Piece]: ...
+
+
+class ReasoningSplitter(ToolSplitter, Protocol):
+    """A reasoning parser: generated text in, reasoning and visible text out."""
+
+    @property
+    def in_reasoning(self) -> bool: ...
 
 
 def held_back(buffer: str, markers: tuple[str, ...]) -> int:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hybridserve.serving.parsers.base import Piece, Reasoning, Text, held_back
+from hybridserve.serving.parsers.base import Piece, Reasoning, ReasoningSplitter, Text, held_back
+from hybridserve.serving.parsers.kimi import KimiK3ReasoningParser
 
 
 class ReasoningParser:
@@ -50,9 +51,11 @@ class ReasoningParser:
         return Reasoning(text) if self.in_reasoning else Text(text)
 
 
-REASONING_PARSERS: dict[str, Callable[[str], ReasoningParser]] = {
+REASONING_PARSERS: dict[str, Callable[[str], ReasoningSplitter]] = {
     # DeepSeek-R1, Qwen3, QwQ and most open reasoning models write <think>...</think>.
     "think": ReasoningParser,
     "deepseek_r1": ReasoningParser,
     "qwen3": ReasoningParser,
+    "kimi_k2": ReasoningParser,
+    "kimi_k3": KimiK3ReasoningParser,
 }

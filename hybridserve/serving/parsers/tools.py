@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from hybridserve.serving.parsers.base import Piece, Text, ToolCall, held_back
+from hybridserve.serving.parsers.base import Piece, Text, ToolCall, ToolSplitter, held_back
+from hybridserve.serving.parsers.kimi import KimiK2ToolParser, KimiK3ToolParser
 
 
 class HermesToolParser:
@@ -86,7 +87,9 @@ def parse_call(body: str) -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-TOOL_PARSERS: dict[str, Callable[[], HermesToolParser]] = {
+TOOL_PARSERS: dict[str, Callable[[], ToolSplitter]] = {
     "hermes": HermesToolParser,
     "qwen": HermesToolParser,
+    "kimi_k2": KimiK2ToolParser,
+    "kimi_k3": KimiK3ToolParser,
 }

@@ -63,6 +63,8 @@ class ResponsesRequest(BaseModel):
     truncation: str | None = None
     prompt_cache_key: str | None = None
     background: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_ids: bool | None = None  # the prompt ids the engine received and the output ids
 
     def check_supported(self) -> None:
         if self.background and self.store is False:

@@ -15,11 +15,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from hybridserve.engine.fanout import expand
+from hybridserve.serving.extensions.base import ServingExtension
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import APIError, json_response
 from hybridserve.serving.openai.generation import GenerationRun, fit_to_context
 from hybridserve.serving.openai.models import check_model
-from hybridserve.serving.openai.prompt import Prompt, PromptRenderer
+from hybridserve.serving.openai.prompt import Prompt
 from hybridserve.serving.openai.protocol import SamplingRequest
 from hybridserve.serving.openai.responses.background import BackgroundRuns
 from hybridserve.serving.openai.responses.events import ResponseRun
@@ -34,7 +35,7 @@ from hybridserve.serving.openai.responses.protocol import (
 from hybridserve.serving.openai.responses.store import ResponseStore
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect
 from hybridserve.serving.openai.structured import structured_output
-from hybridserve.serving.openai.tools import ToolRequest, output_parser, tool_request
+from hybridserve.serving.openai.tools import ToolRequest, output_parser, required_by, tool_request
 from hybridserve.serving.parsers import Parsers
 from hybridserve.serving.postprocess import PooledResponseRun, PostprocessPool, ResponseJob
 
@@ -50,6 +51,7 @@ class ResponsesService:
         metrics: ServingMetrics,
         store: ResponseStore,
         parsers: Parsers,
+        extension: ServingExtension,
         postprocess: PostprocessPool | None = None,
     ) -> None:
         self.engine = engine
@@ -57,7 +59,8 @@ class ResponsesService:
         self.metrics = metrics
         self.store = store
         self.parsers = parsers
-        self.renderer = PromptRenderer(engine.tokenizer)
+        self.extension = extension
+        self.renderer = extension.renderer(engine.tokenizer)
         self.vocab_size = len(engine.tokenizer)
         self.background = BackgroundRuns(store)
         for response_id in store.fail_unfinished(UNFINISHED):
@@ -67,16 +70,26 @@ class ResponsesService:
         arrival = time.monotonic()
         check_model(self.engine, req.model)
         req.check_supported()
+        req = self.extension.apply_responses_extensions(req)
+        kwargs = req.chat_template_kwargs or {}
         tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, nested=False)
+        tools = required_by(tools, self.extension.required_tool_choice_mode())
         items = req.input_items(self.store.item)
         if not items:
             raise APIError(400, "input must contain at least one item.", param="input", code="invalid_value")
         conversation = self._history(req.previous_response_id) + items
-        sampling = SamplingRequest(temperature=req.temperature, top_p=req.top_p, user=req.user)
+        skip_special = False if self.extension.keeps_special_tokens else None
+        sampling = SamplingRequest(
+            temperature=req.temperature, top_p=req.top_p, user=req.user, skip_special_tokens=skip_special
+        )
         params = sampling.sampling_params(req.num_logprobs(), req.max_output_tokens, RENAMES, self.vocab_size)
         constraint = structured_output((req.text or {}).get("format"), tools, param="text.format", nested=False)
+        if not tools.forced:
+            constraint = self.extension.structured_output(constraint, kwargs)
         params = dataclasses.replace(params, structured_output=constraint)
-        prompt = self._prompt(req.instructions, conversation, len(items), tools, params.max_tokens, req.truncation)
+        prompt = self._prompt(
+            req.instructions, conversation, len(items), tools, params.max_tokens, req.truncation, kwargs
+        )
         params = fit_to_context(
             params,
             len(prompt.ids),
@@ -88,12 +101,17 @@ class ResponsesService:
         response_id = new_id("resp")
         run = GenerationRun(self.engine, self.metrics, response_id, [prompt.ids], [params], arrival)
         base = base_response(req, response_id, self.engine.model_name)
+        if req.return_token_ids:
+            base["prompt_token_ids"] = prompt.ids
 
         def finish(response: dict[str, Any]) -> None:
+            if req.return_token_ids:
+                response["output_token_ids"] = run.token_ids[0]
             if req.store:
                 self.store.put(response, items, conversation)
 
-        if self.postprocess is not None and not req.background:
+        # Output ids are collected by the in-process run: return_token_ids stays off the post-processing pool.
+        if self.postprocess is not None and not req.background and not req.return_token_ids:
             [child] = expand(response_id, prompt.ids, params, self.engine.eos_token_ids, self.engine.max_model_len)
             job = ResponseJob(child, base, self.parsers, prompt.text, tools, bool(req.stream))
             pooled = PooledResponseRun(self.engine, self.postprocess, self.metrics, arrival, job, finish)
@@ -175,6 +193,7 @@ class ResponsesService:
         tools: ToolRequest,
         max_tokens: int | None,
         truncation: str | None,
+        template_kwargs: dict[str, Any],
     ) -> Prompt:
         """The prompt; with truncation "auto", the oldest turns are dropped (whole messages) until the
         prompt leaves room for `max_tokens` (or 1 token). Instructions, system/developer messages and the
@@ -185,7 +204,8 @@ class ResponsesService:
         num_input = len(conversation_messages(conversation[len(conversation) - num_input :]))
 
         def render(kept: list[dict[str, Any]]) -> Prompt:
-            return self.renderer.render(system + kept, tools.template_tools(), param="input")
+            history = self.extension.prepare_responses_history(system + kept)
+            return self.renderer.render(history, tools.template_tools(), template_kwargs, param="input")
 
         prompt = render(messages)
         room = self.engine.max_model_len - (max_tokens or 1)
@@ -210,7 +230,7 @@ class ResponsesService:
         conversation = self.store.conversation(previous_response_id)
         if response is None or conversation is None:
             raise response_not_found(previous_response_id, "previous_response_id")
-        return [*conversation, *response["output"]]
+        return [self.extension.replay_stored_turn(item) for item in [*conversation, *response["output"]]]
 
 
 async def _complete(response: ResponseRun | PooledResponseRun) -> Response:
