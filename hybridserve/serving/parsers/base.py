@@ -8,7 +8,7 @@ text; `finish()` flushes what is left when the generation ends.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,47 @@ def held_back(buffer: str, markers: tuple[str, ...]) -> int:
         if any(marker.startswith(tail) for marker in markers):
             return start
     return len(buffer)
+
+
+class ChannelParser:
+    """Generated text as channels: text in channel "think" is reasoning, every other channel is visible text.
+
+    `switches[channel]` maps each marker that may come next in `channel` to the channel it opens; markers
+    are dropped, and a tail that may be the start of one is held back."""
+
+    switches: ClassVar[dict[str | None, dict[str, str | None]]]
+
+    def __init__(self, channel: str | None) -> None:
+        self.channel = channel
+        self._buffer = ""
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self.channel == "think"
+
+    def feed(self, delta: str) -> list[Piece]:
+        self._buffer += delta
+        pieces: list[Piece] = []
+        while True:
+            switches = self.switches[self.channel]
+            found = [(at, marker) for marker in switches if (at := self._buffer.find(marker)) >= 0]
+            if not found:
+                break
+            at, marker = min(found)
+            pieces.append(self._piece(self._buffer[:at]))
+            self._buffer = self._buffer[at + len(marker) :]
+            self.channel = switches[marker]
+        safe = held_back(self._buffer, tuple(self.switches[self.channel]))
+        pieces.append(self._piece(self._buffer[:safe]))
+        self._buffer = self._buffer[safe:]
+        return pieces
+
+    def finish(self) -> list[Piece]:
+        rest, self._buffer = self._buffer, ""
+        return [self._piece(rest)]
+
+    def _piece(self, text: str) -> Piece:
+        return Reasoning(text) if self.in_reasoning else Text(text)
 
 
 def merged(pieces: list[Piece]) -> list[Piece]:

@@ -27,7 +27,7 @@ from hybridserve.rendering.kimi_k3 import (
     TOOLS_OPEN,
     parse_call,
 )
-from hybridserve.serving.parsers.base import Piece, Reasoning, Text, ToolCall, held_back
+from hybridserve.serving.parsers.base import ChannelParser, Piece, Text, ToolCall, held_back
 
 MESSAGE_CLOSE = f"{CLOSE}message{SEP}"
 _ENDINGS = {MESSAGE_CLOSE: None, END: None}
@@ -45,38 +45,11 @@ def opened_channel(prompt_text: str) -> str | None:
     return "response" if prompt_text.endswith(RESPONSE_OPEN) else None
 
 
-class KimiK3ReasoningParser:
+class KimiK3ReasoningParser(ChannelParser):
+    switches = _SWITCHES
+
     def __init__(self, prompt_text: str = "") -> None:
-        self.channel = opened_channel(prompt_text)
-        self._buffer = ""
-
-    @property
-    def in_reasoning(self) -> bool:
-        return self.channel == "think"
-
-    def feed(self, delta: str) -> list[Piece]:
-        self._buffer += delta
-        pieces: list[Piece] = []
-        while True:
-            switches = _SWITCHES[self.channel]
-            found = [(at, marker) for marker in switches if (at := self._buffer.find(marker)) >= 0]
-            if not found:
-                break
-            at, marker = min(found)
-            pieces.append(self._piece(self._buffer[:at]))
-            self._buffer = self._buffer[at + len(marker) :]
-            self.channel = switches[marker]
-        safe = held_back(self._buffer, tuple(_SWITCHES[self.channel]))
-        pieces.append(self._piece(self._buffer[:safe]))
-        self._buffer = self._buffer[safe:]
-        return pieces
-
-    def finish(self) -> list[Piece]:
-        rest, self._buffer = self._buffer, ""
-        return [self._piece(rest)]
-
-    def _piece(self, text: str) -> Piece:
-        return Reasoning(text) if self.in_reasoning else Text(text)
+        super().__init__(opened_channel(prompt_text))
 
 
 class SectionToolParser:
