@@ -25,6 +25,9 @@ class EngineConfig:
     # Models with linear-attention layers: recurrent-state slots, one per running request (default:
     # max_num_seqs). Admission needs a free slot as well as KV blocks.
     num_state_slots: int | None = None
+    # With prefix caching: snapshots of recurrent state at block boundaries, which prefix hits on such
+    # models restore (default: as many as state slots; 0: none, so no prefix hits for these models).
+    num_state_snapshots: int | None = None
     long_prefill_token_threshold: int = 0  # >0: a prefill chunk takes at most this many tokens per step
     seed: int = 0
 
@@ -38,6 +41,10 @@ class EngineConfig:
             raise InvalidParameter("max_model_len", f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_state_slots is not None and self.num_state_slots < 1:
             raise InvalidParameter("num_state_slots", f"num_state_slots must be positive, got {self.num_state_slots}")
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise InvalidParameter(
+                "num_state_snapshots", f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidParameter("num_kv_blocks", f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.long_prefill_token_threshold < 0:

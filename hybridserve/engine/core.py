@@ -46,7 +46,11 @@ class EngineCore:
         self.runner = ModelRunner(config, hf_dir)
         self.max_model_len = min(config.max_model_len or self.runner.max_position, self.runner.max_position)
         self.kv = KVCacheManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.runner.state_pool
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.runner.state_pool,
+            self.runner.snapshots,
         )
         self.scheduler = Scheduler(config, self.kv)
         self._pending: list[EngineCoreOutput] = []

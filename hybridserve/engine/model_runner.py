@@ -12,6 +12,7 @@ import torch
 from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.specs import CacheLayout, LinearStateSpec
 from hybridserve.engine.cache.state_pool import StatePool
+from hybridserve.engine.cache.state_snapshots import StateSnapshots
 from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
 from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.engine.structured_output import GrammarBitmask, SequenceGrammar
@@ -106,12 +107,17 @@ class ModelRunner:
             self.num_blocks * self.layout.bytes_per_block / 1024**3,
         )
         self.state_pool: StatePool | None = None
+        self.snapshots: StateSnapshots | None = None
         states = iter([])
         if self.layout.state_specs:
             slots = config.num_state_slots or config.max_num_seqs
             self.state_pool = StatePool(self.layout.state_specs, slots, self.device, zeroed)
             states = iter(self.state_pool.layers)
             logger.info("recurrent state: %d slots of %.2f MiB", slots, self.layout.bytes_per_state_slot / 1024**2)
+            num_snapshots = slots if config.num_state_snapshots is None else config.num_state_snapshots
+            if config.enable_prefix_caching and num_snapshots > 0:
+                self.snapshots = StateSnapshots(self.state_pool, num_snapshots, self.device, zeroed)
+                logger.info("recurrent-state snapshots for prefix hits: %d", num_snapshots)
         # Per layer, in layer order: a paged cache tensor, or a (conv tails, states) pair of the state pool.
         self.kv_caches = [
             next(states) if isinstance(s, LinearStateSpec) else next(paged) for s in self.layout.layer_specs

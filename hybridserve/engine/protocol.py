@@ -56,6 +56,9 @@ class SchedulerStats(msgspec.Struct, frozen=True, array_like=True):
     prefix_cache_queries: int = 0  # prompt tokens looked up since start
     prefix_cache_hits: int = 0  # of which served from cache
     num_preemptions: int = 0
+    num_state_snapshots: int = 0  # recurrent-state snapshots held (hybrid models)
+    state_snapshot_usage: float = 0.0  # fraction of snapshot slots holding one
+    state_snapshot_hits: int = 0  # admissions whose recurrent state was restored from a snapshot
 
 
 class EngineCoreOutputs(msgspec.Struct, frozen=True, array_like=True, tag=True):

@@ -2,7 +2,8 @@
 
 Each step has a token budget. Running requests go first (a decode costs one token, an unfinished
 prefill its next chunk), then waiting requests are admitted while budget, sequence slots and KV
-blocks last. There is no prefill/decode phase: a request simply has tokens not yet computed. When
+blocks last (a prefill chunk may end early, at a block boundary whose recurrent state is snapshotted for
+later prefix hits). There is no prefill/decode phase: a request simply has tokens not yet computed. When
 blocks run out the most recently admitted request is preempted: it gives its blocks back and is
 recomputed later from its prompt plus the tokens it already produced, so its output is unchanged.
 """
@@ -64,6 +65,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget, self.chunk_limit)
+            n = self.kv.chunk_tokens(req, req.num_computed_tokens, n)
             while not self.kv.allocate(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -79,7 +81,7 @@ class Scheduler:
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
-            n = min(req.num_tokens - num_cached, budget, self.chunk_limit)
+            n = self.kv.chunk_tokens(req, num_cached, min(req.num_tokens - num_cached, budget, self.chunk_limit))
             if not self.kv.allocate(req, n, cached):
                 break
             self.waiting.popleft()
@@ -111,9 +113,11 @@ class Scheduler:
         del self.requests[req.request_id]
 
     def complete_step(self, output: SchedulerOutput) -> None:
-        """Account for the tokens a step computed (sampled tokens are appended by the caller)."""
+        """Account for the tokens a step computed (sampled tokens are appended by the caller) and snapshot
+        recurrent state that the step left on a block boundary."""
         for s in output.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.snapshot(s.request)
 
     def retire_finished(self) -> None:
         for req in [r for r in self.running if r.status is RequestStatus.FINISHED]:
@@ -122,6 +126,7 @@ class Scheduler:
             del self.requests[req.request_id]
 
     def stats(self) -> SchedulerStats:
+        snapshots = self.kv.snapshots
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -129,4 +134,7 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
+            num_state_snapshots=len(snapshots) if snapshots is not None else 0,
+            state_snapshot_usage=len(snapshots) / snapshots.num_snapshots if snapshots is not None else 0.0,
+            state_snapshot_hits=snapshots.num_restored if snapshots is not None else 0,
         )

@@ -32,7 +32,7 @@ class ThroughputLog:
             return
         logger.info(
             "engine: %.1f generated tok/s, %.1f computed tok/s, %d steps (%.1f ms avg, busy %.0f%%), running %d, "
-            "waiting %d, KV cache %.1f%%, prefix hits %d/%d tokens, preemptions %d",
+            "waiting %d, KV cache %.1f%%, prefix hits %d/%d tokens, state snapshot hits %d, preemptions %d",
             self._generated / elapsed,
             self._computed / elapsed,
             self._steps,
@@ -43,6 +43,7 @@ class ThroughputLog:
             100 * stats.kv_cache_usage,
             stats.prefix_cache_hits,
             stats.prefix_cache_queries,
+            stats.state_snapshot_hits,
             stats.num_preemptions,
         )
         self._since = now

@@ -129,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="models with linear attention: recurrent-state slots, one per running request (default: max-num-seqs)",
     )
     serve.add_argument(
+        "--num-state-snapshots",
+        type=int,
+        default=_DEFAULTS["num_state_snapshots"],
+        help="models with linear attention: recurrent-state snapshots kept for prefix-cache hits, evicted least "
+        "recently used (default: as many as state slots; 0 turns prefix hits off for these models)",
+    )
+    serve.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=_DEFAULTS["enable_prefix_caching"],
@@ -197,6 +204,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_kv_blocks=args.num_kv_blocks,
         num_state_slots=args.num_state_slots,
+        num_state_snapshots=args.num_state_snapshots,
         enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         seed=args.seed,

@@ -87,6 +87,12 @@ _ENGINE_METRICS = (
     (GaugeMetricFamily, "prefix_cache_hit_rate", "Prefix-cache hits over queries since start.", _hit_rate),
     (CounterMetricFamily, "num_preemptions", "Requests preempted by the scheduler.",
      lambda s: s.num_preemptions),
+    (GaugeMetricFamily, "num_state_snapshots", "Recurrent-state snapshots held for prefix hits (hybrid models).",
+     lambda s: s.num_state_snapshots),
+    (GaugeMetricFamily, "state_snapshot_usage_perc", "Fraction of recurrent-state snapshot slots in use (0 to 1).",
+     lambda s: s.state_snapshot_usage),
+    (CounterMetricFamily, "state_snapshot_hits", "Prefix hits that restored recurrent state from a snapshot.",
+     lambda s: s.state_snapshot_hits),
 )
 # fmt: on
 

@@ -56,6 +56,9 @@ class FakeEngine:
             prefix_cache_queries=100,
             prefix_cache_hits=25,
             num_preemptions=0,
+            num_state_snapshots=3,
+            state_snapshot_usage=0.75,
+            state_snapshot_hits=2,
         )
 
     async def check_health(self) -> None:

@@ -71,6 +71,9 @@ def test_metrics_after_a_request(client):
     assert sample(text, "hybridserve:prefix_cache_hits_total" + label) == 25
     assert sample(text, "hybridserve:prefix_cache_hit_rate" + label) == 0.25
     assert sample(text, "hybridserve:num_preemptions_total" + label) == 0
+    assert sample(text, "hybridserve:num_state_snapshots" + label) == 3
+    assert sample(text, "hybridserve:state_snapshot_usage_perc" + label) == 0.75
+    assert sample(text, "hybridserve:state_snapshot_hits_total" + label) == 2
 
 
 def test_metrics_count_errors(client, engine):

@@ -74,6 +74,8 @@ def test_flags_map_to_engine_config():
             "64",
             "--num-state-slots",
             "5",
+            "--num-state-snapshots",
+            "7",
         ]
     )
     assert cli.engine_config(args) == EngineConfig(
@@ -88,6 +90,7 @@ def test_flags_map_to_engine_config():
         kv_cache_memory_bytes=512 * 1024**2,
         num_kv_blocks=100,
         num_state_slots=5,
+        num_state_snapshots=7,
         enable_prefix_caching=False,
         long_prefill_token_threshold=64,
         seed=3,

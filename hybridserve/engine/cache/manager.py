@@ -1,7 +1,18 @@
 """The cache facade the scheduler sees: blocks per request, recurrent-state slots, prefix lookups, usage.
 
 For models with linear-attention layers every running request also holds a state slot: admission needs
-both a slot and the blocks, and preemption gives both back.
+both a slot and the blocks, and preemption gives both back. Their prefix hits also need the recurrent state
+at the hit's end, so a hit is trimmed back to the deepest block with a state snapshot (state_snapshots.py),
+and the manager picks the block boundaries worth snapshotting:
+
+- the last block boundary before the last known token (the deepest a later identical prefix can hit);
+- the end of the KV blocks a request found in the cache, when no snapshot reaches that far: a branch point
+  (a shared system prompt) that the next request with the same prefix will hit;
+- while decoding, each boundary the request reaches, one snapshot per request that moves forward with it:
+  the next turn of a conversation extends this turn's prompt and output.
+
+The scheduler ends a prefill chunk at the request's next snapshot point (`chunk_tokens`); after the step the
+state there is copied (`snapshot`).
 """
 
 from __future__ import annotations
@@ -9,19 +20,30 @@ from __future__ import annotations
 from hybridserve.engine.cache.block_pool import Block, BlockPool
 from hybridserve.engine.cache.prefix_hash import ROOT_HASH, BlockHash, hash_block
 from hybridserve.engine.cache.state_pool import StatePool
+from hybridserve.engine.cache.state_snapshots import StateSnapshots
 from hybridserve.engine.request import Request
 
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, states: StatePool | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        states: StatePool | None = None,
+        snapshots: StateSnapshots | None = None,
     ) -> None:
+        if snapshots is not None and (states is None or snapshots.states is not states):
+            raise ValueError("state snapshots must copy the manager's own state pool")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.states = states
+        self.snapshots = snapshots
         self.req_blocks: dict[str, list[Block]] = {}
         self._req_hashes: dict[str, list[BlockHash]] = {}
+        self._snapshot_points: dict[str, list[int]] = {}  # token counts to snapshot at, ascending
+        self._rolling: dict[str, BlockHash] = {}  # each request's latest snapshot taken while decoding
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -48,18 +70,49 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> list[Block]:
         """Blocks already holding a prefix of the request. The last token is always recomputed (its
-        logits are needed), so at most (num_tokens - 1) // block_size blocks can hit."""
-        if not self.enable_prefix_caching or self.states is not None:
-            # A hit must also restore the recurrent state at the hit's end, which needs a state snapshot.
+        logits are needed), so at most (num_tokens - 1) // block_size blocks can hit. With recurrent state
+        the hit ends at the deepest block that has a state snapshot; the request's snapshot points are
+        chosen here too."""
+        if not self.enable_prefix_caching or (self.states is not None and self.snapshots is None):
             return []
-        limit = (request.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        limit = (request.num_tokens - 1) // bs
         hits = []
-        for block_hash in self._hashes(request, limit * self.block_size):
+        usable = 0
+        for block_hash in self._hashes(request, limit * bs):
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return hits
+            if self.snapshots is None or block_hash in self.snapshots:
+                usable = len(hits)
+        if self.snapshots is not None:
+            points = {len(hits) * bs, limit * bs}
+            self._snapshot_points[request.request_id] = sorted(p for p in points if p > usable * bs)
+        return hits[:usable]
+
+    def chunk_tokens(self, request: Request, start: int, num_tokens: int) -> int:
+        """A prefill chunk of `num_tokens` from `start`, shortened to end at the request's next snapshot
+        point when it would cross one."""
+        for point in self._snapshot_points.get(request.request_id, ()):
+            if start < point < start + num_tokens:
+                return point - start
+        return num_tokens
+
+    def snapshot(self, request: Request) -> None:
+        """After a step: snapshot the request's recurrent state if the step ended on a block boundary (at
+        a snapshot point, kept; elsewhere, replacing the request's previous such snapshot)."""
+        computed = request.num_computed_tokens
+        if self.snapshots is None or computed == 0 or computed % self.block_size:
+            return
+        block_hash = self._hashes(request, computed)[-1]
+        slot = self.state_slot(request.request_id)
+        points = self._snapshot_points.get(request.request_id, [])
+        if computed in points:
+            points.remove(computed)
+            self.snapshots.save(block_hash, slot)
+        elif self.snapshots.save(block_hash, slot, replace=self._rolling.get(request.request_id)):
+            self._rolling[request.request_id] = block_hash
 
     def allocate(self, request: Request, num_new_tokens: int, cached: list[Block] | None = None) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after `cached` on first allocation).
@@ -77,7 +130,10 @@ class KVCacheManager:
         if states is not None and request.request_id not in states.owner:
             if states.num_free == 0:
                 return False
-            states.allocate(request.request_id)  # zeroed: a fresh or resumed request starts from no state
+            # Zeroed, unless a snapshot gives the state at the end of the prefix hit.
+            slot = states.allocate(request.request_id, zero=not cached)
+            if cached:
+                self._restore(cached[-1], slot)
         self.pool.touch(cached)
         if cached or not blocks:
             self.prefix_queries += request.num_tokens
@@ -92,11 +148,18 @@ class KVCacheManager:
                 self.pool.cache(block, block_hash)
         return True
 
+    def _restore(self, block: Block, slot: int) -> None:
+        if self.snapshots is None or block.block_hash is None:
+            raise RuntimeError(f"a prefix hit ending at block {block.block_id} has no state snapshot")
+        self.snapshots.restore(block.block_hash, slot)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its tail is evicted before its shared prefix."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.release(list(reversed(blocks)))
         self._req_hashes.pop(request.request_id, None)
+        self._snapshot_points.pop(request.request_id, None)
+        self._rolling.pop(request.request_id, None)
         if self.states is not None:
             self.states.free(request.request_id)
 
@@ -112,3 +175,7 @@ class KVCacheManager:
                 raise AssertionError(
                     f"state slots held by {sorted(self.states.owner)} != blocks held by {sorted(self.req_blocks)}"
                 )
+        if self.snapshots is not None:
+            self.snapshots.check_integrity()
+            if not set(self._rolling) <= set(self.req_blocks):
+                raise AssertionError(f"requests {sorted(set(self._rolling) - set(self.req_blocks))} left snapshots")

@@ -1,8 +1,8 @@
 """Recurrent-state slots for linear-attention layers: one fixed-size slot per running request.
 
 Every tensor is allocated once, at start-up, and never reallocated (fixed addresses: a captured CUDA graph
-or a transfer engine may hold them). A slot is zeroed when it is handed out, so a request never sees
-another request's state.
+or a transfer engine may hold them). A slot is zeroed when it is handed out, unless the caller overwrites it
+at once (a prefix hit restoring a snapshot), so a request never sees another request's state.
 """
 
 from __future__ import annotations
@@ -39,15 +39,17 @@ class StatePool:
     def slot(self, request_id: str) -> int:
         return self.owner[request_id]
 
-    def allocate(self, request_id: str) -> int:
+    def allocate(self, request_id: str, zero: bool = True) -> int:
+        """Hand out a slot; `zero=False` only for a caller that overwrites all of it before the next step."""
         if request_id in self.owner:
             raise RuntimeError(f"request {request_id} already holds state slot {self.owner[request_id]}")
         if not self._free:
             raise RuntimeError("no free state slot")
         slot = self._free.pop()
-        for conv, state in self.layers:
-            conv[slot].zero_()
-            state[slot].zero_()
+        if zero:
+            for conv, state in self.layers:
+                conv[slot].zero_()
+                state[slot].zero_()
         self.owner[request_id] = slot
         return slot
 
