@@ -3,9 +3,9 @@
     python -m benchmarks.hybrid_decode [--out benchmarks/results] [--prompt-tokens 16] [--max-tokens 32]
 
 Both models come from benchmarks/random_checkpoints.py (random weights, float32, CPU). For each model and
-concurrency N: N random prompts are run once with max_tokens=1 (prefill only) and once with max_tokens=M;
-decode tokens/s = N * (M - 1) / (time(M) - time(1)), medians of 2 runs. Writes <out>/hybrid_decode.csv and
-.png; progress goes to stderr.
+concurrency N, N random prompts are added to the engine core and stepped directly; the clock starts once
+every request has its first token (all prefill is done) and decode tokens/s = tokens produced after that /
+time, the median of 2 runs. Writes <out>/hybrid_decode.csv and .png; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.random_checkpoints import make_kimi, make_llama, num_parameters
+from hybridserve.engine.fanout import expand
 from hybridserve.engine.llm import LLM
 from hybridserve.sampling_params import SamplingParams
 
@@ -39,14 +40,25 @@ def run_s(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
 
 
 def decode_tok_s(llm: LLM, conc: int, prompt_tokens: int, max_tokens: int, gen: torch.Generator) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rates = []
-    for _ in range(REPEATS):
+    for rep in range(REPEATS):
         # Fresh prompts each time, so no run is served by the prefix cache.
-        prompts = [torch.randint(0, 256, (prompt_tokens,), generator=gen).tolist() for _ in range(conc)]
-        prefill = run_s(llm, prompts, 1)
-        prompts = [torch.randint(0, 256, (prompt_tokens,), generator=gen).tolist() for _ in range(conc)]
-        total = run_s(llm, prompts, max_tokens)
-        rates.append(conc * (max_tokens - 1) / (total - prefill))
+        for k in range(conc):
+            prompt = torch.randint(0, 256, (prompt_tokens,), generator=gen).tolist()
+            for child in expand(f"bench-{conc}-{rep}-{k}", prompt, params, llm.eos_token_ids, llm.core.max_model_len):
+                llm.core.add_request(child)
+        started: set[str] = set()
+        produced, decode_start = 0, 0.0
+        while llm.core.has_work():
+            outputs = llm.core.step().outputs
+            if decode_start:
+                produced += sum(len(out.new_token_ids) for out in outputs)
+            else:
+                started.update(out.request_id for out in outputs if out.new_token_ids)
+                if len(started) == conc:  # every request decodes from the next step on
+                    decode_start = time.perf_counter()
+        rates.append(produced / (time.perf_counter() - decode_start))
     return statistics.median(rates)
 
 
