@@ -57,7 +57,9 @@ class ResponseJob(msgspec.Struct, frozen=True, array_like=True, tag=True):
 
 
 class Forward(msgspec.Struct, frozen=True, array_like=True, tag=True):
-    output: EngineCoreOutput
+    """One engine step's outputs for one worker's responses: one message per worker per step."""
+
+    outputs: list[EngineCoreOutput]
 
 
 class Drop(msgspec.Struct, frozen=True, array_like=True, tag=True):
@@ -75,7 +77,7 @@ class WorkerReady(msgspec.Struct, frozen=True, array_like=True, tag=True):
     pass
 
 
-class Processed(msgspec.Struct, frozen=True, array_like=True, tag=True):
+class Processed(msgspec.Struct, frozen=True, array_like=True):
     """What a worker made of one engine output (or of a job's start: no tokens yet)."""
 
     request_id: str
@@ -87,6 +89,12 @@ class Processed(msgspec.Struct, frozen=True, array_like=True, tag=True):
     abort_engine: bool = False  # a stop string ended it: the engine request still runs
     final: dict[str, Any] | None = None  # the terminal Response object
     error: str | None = None  # an engine failure, for a non-streamed request's 500
+
+
+class Results(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """What a worker made of one message: one Processed per response that has news."""
+
+    items: list[Processed]
 
 
 class _Job:
@@ -156,45 +164,70 @@ def run_postprocess_worker(hf_dir: Path, in_addr: str, out_addr: str) -> None:
             continue
         if isinstance(msg, ResponseJob):
             job = jobs[msg.request.request_id] = _Job(tokenizer, msg)
-            outbox.send(encode(job.start()))
+            outbox.send(encode(Results([job.start()])))
             continue
-        job = jobs.get(msg.output.request_id)
-        if job is None:
-            continue
-        try:
-            processed = job.feed(msg.output)
-        except Exception as exc:  # a bug here must fail one response, not the worker
-            logger.exception("post-processing failed for %s", job.request_id)
-            error = APIError(500, f"Post-processing failed: {exc}", type=SERVER_ERROR)
-            frames, final = job.formatter.fail(error, usage_body(job.prompt_tokens, 0, job.cached_tokens))
-            processed = Processed(
-                job.request_id, b"".join(frames), finish_reason="error", abort_engine=True, final=final, error=str(exc)
-            )
-        if processed is not None:
-            outbox.send(encode(processed))
-            if processed.finish_reason is not None:
-                del jobs[job.request_id]
+        results = []
+        for output in msg.outputs:
+            job = jobs.get(output.request_id)
+            processed = None if job is None else _feed(job, output)
+            if processed is not None:
+                results.append(processed)
+                if processed.finish_reason is not None:
+                    del jobs[processed.request_id]
+        if results:
+            outbox.send(encode(Results(results)))
 
 
-class _Ticket:
-    def __init__(self, request_id: str, sock: zmq.Socket, encode: Callable[[Any], bytes]) -> None:
-        self.request_id = request_id
+def _feed(job: _Job, output: EngineCoreOutput) -> Processed | None:
+    try:
+        return job.feed(output)
+    except Exception as exc:  # a bug here must fail one response, not the worker
+        logger.exception("post-processing failed for %s", job.request_id)
+        error = APIError(500, f"Post-processing failed: {exc}", type=SERVER_ERROR)
+        frames, final = job.formatter.fail(error, usage_body(job.prompt_tokens, 0, job.cached_tokens))
+        return Processed(
+            job.request_id, b"".join(frames), finish_reason="error", abort_engine=True, final=final, error=str(exc)
+        )
+
+
+class _Outbox:
+    """The socket to one worker. Outputs forwarded during one engine step leave as one Forward message, sent
+    from a callback scheduled for after the step's outputs have all been routed."""
+
+    def __init__(self, sock: zmq.Socket, encode: Callable[[Any], bytes]) -> None:
         self.sock = sock
-        self._encode = encode
-        self.results: asyncio.Queue[Processed] = asyncio.Queue()
+        self.encode = encode
+        self._pending: list[tuple[_Ticket, EngineCoreOutput]] = []
 
     def send(self, msg: WorkerInput) -> None:
-        """Never blocks: a worker that is gone (its pipe closed) fails this response instead."""
+        """Never blocks: a worker that is gone (its pipe closed) fails the response instead."""
         try:
-            self.sock.send(self._encode(msg), zmq.NOBLOCK)
+            self.sock.send(self.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             raise RuntimeError("the post-processing worker for this response is not running") from None
 
-    def forward(self, output: EngineCoreOutput) -> None:
+    def forward(self, ticket: _Ticket, output: EngineCoreOutput) -> None:
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append((ticket, output))
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
         try:
-            self.send(Forward(output))
+            self.send(Forward([output for _, output in pending]))
         except RuntimeError as exc:
-            self.results.put_nowait(Processed(self.request_id, b"", finish_reason="error", error=str(exc)))
+            for ticket, _ in pending:
+                ticket.results.put_nowait(Processed(ticket.request_id, b"", finish_reason="error", error=str(exc)))
+
+
+class _Ticket:
+    def __init__(self, request_id: str, outbox: _Outbox) -> None:
+        self.request_id = request_id
+        self.outbox = outbox
+        self.results: asyncio.Queue[Processed] = asyncio.Queue()
+
+    def forward(self, output: EngineCoreOutput) -> None:
+        self.outbox.forward(self, output)
 
 
 class PostprocessPool:
@@ -206,16 +239,16 @@ class PostprocessPool:
         base = Path(tempfile.gettempdir()) / f"hybridserve-post-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._addrs = [f"ipc://{base}-in{k}" for k in range(num_workers)] + [f"ipc://{base}-out"]
         self._sync_ctx = zmq.Context()
-        self._to_workers = []
+        encode = msgspec.msgpack.Encoder().encode
+        self._outboxes = []
         for addr in self._addrs[:-1]:
             sock = self._sync_ctx.socket(zmq.PUSH)
             sock.bind(addr)
-            self._to_workers.append(sock)
+            self._outboxes.append(_Outbox(sock, encode))
         self._ctx = zmq.asyncio.Context()
         self._from_workers = self._ctx.socket(zmq.PULL)
         self._from_workers.bind(self._addrs[-1])
-        self._encode = msgspec.msgpack.Encoder().encode
-        self._decode = msgspec.msgpack.Decoder(Processed | WorkerReady).decode
+        self._decode = msgspec.msgpack.Decoder(Results | WorkerReady).decode
         spawn = multiprocessing.get_context("spawn")
         self.processes = [
             spawn.Process(
@@ -252,9 +285,9 @@ class PostprocessPool:
         """Sends `job` to the next worker; the ticket forwards its engine outputs and receives its results."""
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read())
-        ticket = _Ticket(job.request.request_id, self._to_workers[next(self._next)], self._encode)
+        ticket = _Ticket(job.request.request_id, self._outboxes[next(self._next)])
         self._queues[ticket.request_id] = ticket.results
-        ticket.send(job)
+        ticket.outbox.send(job)
         return ticket
 
     def close(self, ticket: _Ticket, unfinished: bool) -> None:
@@ -262,7 +295,7 @@ class PostprocessPool:
         self._queues.pop(ticket.request_id, None)
         if unfinished:
             with contextlib.suppress(RuntimeError):  # a worker that is gone holds nothing to drop
-                ticket.send(Drop(ticket.request_id))
+                ticket.outbox.send(Drop(ticket.request_id))
 
     async def _read(self) -> None:
         while True:
@@ -274,19 +307,20 @@ class PostprocessPool:
             msg = self._decode(await self._from_workers.recv())
             if isinstance(msg, WorkerReady):
                 continue
-            queue = self._queues.get(msg.request_id)
-            if queue is not None:
-                queue.put_nowait(msg)
+            for item in msg.items:
+                queue = self._queues.get(item.request_id)
+                if queue is not None:
+                    queue.put_nowait(item)
 
     def _fail_all(self, error: str) -> None:
         for rid, queue in self._queues.items():
             queue.put_nowait(Processed(rid, b"", finish_reason="error", error=error))
 
     def shutdown(self) -> None:
-        for sock, process in zip(self._to_workers, self.processes, strict=True):
+        for outbox, process in zip(self._outboxes, self.processes, strict=True):
             if process.is_alive():
-                with contextlib.suppress(zmq.Again):
-                    sock.send(self._encode(Stop()), zmq.NOBLOCK)
+                with contextlib.suppress(RuntimeError):
+                    outbox.send(Stop())
         for process in self.processes:
             process.join(timeout=5)
             if process.is_alive():
