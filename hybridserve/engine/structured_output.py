@@ -1,6 +1,7 @@
 """Grammar-constrained decoding with xgrammar.
 
 - `check` (frontend): parse a StructuredOutput's schema or grammar, raising InvalidParameter naming it.
+- `behind_free_text` (frontend): a spec that applies only after free text and an opening marker.
 - `GrammarCompiler` (engine): compiles specs on background threads, one cached future per spec, so a
   compile never stalls the busy loop; the tokenizer is loaded (on that thread) only when the first
   constrained request arrives.
@@ -59,6 +60,34 @@ def _grammar(spec: StructuredOutput) -> xgr.Grammar:
         raise
     except Exception as exc:  # xgrammar raises RuntimeError, ValueError and its own types for bad input
         raise InvalidParameter(param, f"{param} is invalid: {_clean(exc)}") from exc
+
+
+def behind_free_text(
+    spec: StructuredOutput,
+    *,
+    opening: str,
+    closing: str,
+    excludes: Sequence[str] = (),
+    free_max_tokens: int | None = None,
+) -> StructuredOutput:
+    """`spec` deferred: free text (containing neither `opening` nor any of `excludes`), then `opening`,
+    then `spec`'s language, then `closing`; the stop token follows as usual. One structural tag, so the
+    engine compiles it like any other spec. Marker strings match the tokens that spell them, added special
+    tokens included (xgrammar matches a token by its text unless the token decodes to nothing). `spec`
+    must already be checked: its language is embedded as the EBNF xgrammar derives from it, so JSON keeps
+    its whitespace mode (the structural tag's own json_schema format has no compact layout).
+    `free_max_tokens` caps the free text (then `opening` is forced); None leaves it unbounded."""
+    grammar = str(_grammar(spec))
+    free: dict[str, object] = {"type": "any_text", "excludes": [opening, *excludes]}
+    if free_max_tokens is not None:
+        free["max_tokens"] = free_max_tokens
+    elements = [free, _const(opening), {"type": "grammar", "grammar": grammar}, _const(closing)]
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
+    return StructuredOutput(structural_tag=json.dumps(tag))
+
+
+def _const(value: str) -> dict[str, object]:
+    return {"type": "const_string", "value": value}
 
 
 def _json(text: str | None, param: str) -> object:

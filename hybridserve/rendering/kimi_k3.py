@@ -25,7 +25,8 @@ THINK_OPEN, THINK_CLOSE = f"{OPEN}think{SEP}", f"{CLOSE}think{SEP}"
 RESPONSE_OPEN, RESPONSE_CLOSE = f"{OPEN}response{SEP}", f"{CLOSE}response{SEP}"
 TOOLS_OPEN, TOOLS_CLOSE = f"{OPEN}tools{SEP}", f"{CLOSE}tools{SEP}"
 CALL_CLOSE = f"{CLOSE}call{SEP}"
-MESSAGE_END = f"{CLOSE}message{SEP}{END}"
+MESSAGE_CLOSE = f"{CLOSE}message{SEP}"
+MESSAGE_END = MESSAGE_CLOSE + END
 ASSISTANT_OPEN = f'{OPEN}message role="assistant"{SEP}'
 EFFORTS = ("low", "high", "max")
 _ATTRIBUTE = re.compile(r'([a-z_]+)="([^"]*)"')

@@ -115,7 +115,9 @@ def test_json_schema_goes_into_the_prompt_and_its_grammar_waits_for_the_response
     fmt = {"type": "json_schema", "name": "a", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}
     prompt = rendered(engine, respond(client, text={"format": fmt}))
     assert '```json\n{"properties":{"a":{"type":"integer"}},"type":"object"}\n```' in prompt
-    assert engine.calls[-1][1].structured_output is None  # thinking on: the think channel must stay free
+    constraint = engine.calls[-1][1].structured_output  # thinking on: the think channel stays free ...
+    assert constraint is not None and constraint.kind == "structural_tag"
+    assert "<|close|>think<|sep|><|open|>response<|sep|>" in (constraint.structural_tag or "")  # ... until here
     engine.scripts = [script(k3_tok, '{"a": 1}<|close|>response<|sep|>')]
     respond(client, text={"format": fmt}, reasoning={"effort": "none"})
     assert engine.calls[-1][1].structured_output is not None  # thinking off: the response channel is open

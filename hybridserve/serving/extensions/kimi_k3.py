@@ -5,8 +5,9 @@ Request fields become the kwargs the K3 renderer reads (see rendering/kimi_k3.py
 effort keeps the renderer's default), tool_choice "required" / "none" with tools declared →
 `tool_choice`, a JSON response format → `response_format` (the schema goes into the prompt). Kwargs the
 client sends in `chat_template_kwargs` win over derived ones. tool_choice "required" is enforced by the
-prompt, so it needs no grammar; a response format's grammar is attached only with thinking off, where the
-response channel is open from the first token.
+prompt, so it needs no grammar. A response format's grammar applies to the response channel: with thinking
+off the prompt opens it, so the grammar holds from the first token; with thinking on the think channel is
+free text, and the grammar starts once the model closes it and opens the response channel.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from __future__ import annotations
 import re
 from typing import Any, TypeVar
 
-from hybridserve.rendering.kimi_k3 import render_messages
+from hybridserve.engine.structured_output import behind_free_text
+from hybridserve.rendering.kimi_k3 import (
+    MESSAGE_CLOSE,
+    RESPONSE_CLOSE,
+    RESPONSE_OPEN,
+    THINK_CLOSE,
+    render_messages,
+)
 from hybridserve.sampling_params import StructuredOutput
 from hybridserve.serving.extensions.base import RequiredMode, ServingExtension, register
 from hybridserve.serving.extensions.policy import enforce_kimi_param_policy, policy_enabled
@@ -159,6 +167,15 @@ class KimiK3ServingExtension(ServingExtension):
     def structured_output(
         self, constraint: StructuredOutput | None, template_kwargs: dict[str, Any]
     ) -> StructuredOutput | None:
-        # With thinking on, a grammar from the first token would forbid the think channel: the format is
-        # stated in the prompt only. With thinking off the prompt opens the response channel itself.
-        return constraint if template_kwargs.get("thinking") is False else None
+        # With thinking off the prompt opens the response channel itself. With thinking on, a grammar from
+        # the first token would forbid the think channel: the think text stays free (it may not close the
+        # message, which would end the parser's channels), then the response channel must open, hold the
+        # constrained content and close, and the message ends.
+        if constraint is None or template_kwargs.get("thinking") is False:
+            return constraint
+        return behind_free_text(
+            constraint,
+            opening=THINK_CLOSE + RESPONSE_OPEN,
+            closing=RESPONSE_CLOSE + MESSAGE_CLOSE,
+            excludes=(THINK_CLOSE, MESSAGE_CLOSE),
+        )

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from hybridserve.rendering.kimi_k3 import (
     CALL_CLOSE,
-    CLOSE,
     END,
+    MESSAGE_CLOSE,
     OPEN,
     RESPONSE_CLOSE,
     RESPONSE_OPEN,
@@ -29,7 +29,6 @@ from hybridserve.rendering.kimi_k3 import (
 )
 from hybridserve.serving.parsers.base import ChannelParser, Piece, Text, ToolCall, held_back
 
-MESSAGE_CLOSE = f"{CLOSE}message{SEP}"
 _ENDINGS = {MESSAGE_CLOSE: None, END: None}
 _SWITCHES: dict[str | None, dict[str, str | None]] = {
     None: {THINK_OPEN: "think", RESPONSE_OPEN: "response", **_ENDINGS},
