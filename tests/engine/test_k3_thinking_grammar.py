@@ -98,6 +98,7 @@ def test_json_object_and_flexible_whitespace(tokenizer, compiler):
     assert not _accepts(tokenizer, compiler, spec, text.replace('{ "a" :1 }', "[1]"))
 
 
+@pytest.mark.slow  # ~50 s on 2 cores: random weights spell the markers out byte by byte
 def test_engine_output_parses_into_schema_valid_content(kimi_k3_dir):
     """Random weights never spell the closing marker themselves, so the think text is capped (the same
     structure as the extension's, plus a budget); the engine must then force the markers, decode the
