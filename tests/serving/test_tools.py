@@ -259,3 +259,35 @@ def test_developer_messages_are_system_for_templates_without_that_role(client, e
     assert prompt_text(engine) == (
         "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_reasoning_effort_reaches_templates_that_read_it(tokenizer):
+    """gpt-oss-style templates read a `reasoning_effort` kwarg: both endpoints pass it; explicit kwargs win."""
+    import copy
+
+    effort_tokenizer = copy.deepcopy(tokenizer)
+    effort_tokenizer.chat_template = (
+        "effort={{ reasoning_effort | default('unset') }}|{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    engine = FakeEngine(effort_tokenizer, [script(tokenizer, "Hi.")], max_model_len=1024)
+    with TestClient(build_app(engine, None)) as client:
+        client.post("/v1/responses", json={"input": "Q", "reasoning": {"effort": "high"}})
+        client.post("/v1/responses", json={"input": "Q"})
+        client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Q"}], "reasoning_effort": "low"}
+        )
+        explicit = {"reasoning_effort": "minimal"}
+        client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Q"}],
+                "reasoning_effort": "low",
+                "chat_template_kwargs": explicit,
+            },
+        )
+    assert [prompt_text(engine, i) for i in range(4)] == [
+        "effort=high|Q",
+        "effort=unset|Q",
+        "effort=low|Q",
+        "effort=minimal|Q",
+    ]

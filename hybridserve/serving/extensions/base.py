@@ -39,12 +39,17 @@ class ServingExtension:
 
     def apply_chat_extensions(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
         """The chat request as this model serves it (derived template kwargs, sampling policy); may raise a
-        400 APIError before any engine work."""
-        return request
+        400 APIError before any engine work. Generic: `reasoning_effort` reaches the chat template as the
+        kwarg of that name (templates that know it, such as gpt-oss's, read it; others ignore it)."""
+        kwargs = _with_effort(request.chat_template_kwargs, request.reasoning_effort)
+        return request if kwargs is None else request.model_copy(update={"chat_template_kwargs": kwargs})
 
     def apply_responses_extensions(self, request: ResponsesRequest) -> ResponsesRequest:
-        """The Responses request as this model serves it; runs before sampling parameters and the prompt."""
-        return request
+        """The Responses request as this model serves it; runs before sampling parameters and the prompt.
+        Generic: `reasoning.effort` reaches the chat template as the `reasoning_effort` kwarg."""
+        effort = (request.reasoning or {}).get("effort")
+        kwargs = _with_effort(request.chat_template_kwargs, effort if isinstance(effort, str) else None)
+        return request if kwargs is None else request.model_copy(update={"chat_template_kwargs": kwargs})
 
     def replay_stored_turn(self, item: dict[str, Any]) -> dict[str, Any]:
         """One stored item of an earlier turn, as it is replayed (previous_response_id)."""
@@ -64,6 +69,13 @@ class ServingExtension:
     ) -> StructuredOutput | None:
         """The grammar constraint actually attached, given the kwargs the prompt is rendered with."""
         return constraint
+
+
+def _with_effort(kwargs: dict[str, Any] | None, effort: str | None) -> dict[str, Any] | None:
+    """`kwargs` with `reasoning_effort` added (an explicit one wins); None when there is nothing to add."""
+    if effort is None or (kwargs and "reasoning_effort" in kwargs):
+        return None
+    return {"reasoning_effort": effort, **(kwargs or {})}
 
 
 EXTENSIONS: dict[str, type[ServingExtension]] = {}
