@@ -221,8 +221,9 @@ class _Outbox:
 
 
 class _Ticket:
-    def __init__(self, request_id: str, outbox: _Outbox) -> None:
+    def __init__(self, request_id: str, worker: int, outbox: _Outbox) -> None:
         self.request_id = request_id
+        self.worker = worker
         self.outbox = outbox
         self.results: asyncio.Queue[Processed] = asyncio.Queue()
 
@@ -263,7 +264,7 @@ class PostprocessPool:
             process.start()
         self._wait_ready()
         self._next = itertools.cycle(range(num_workers))
-        self._queues: dict[str, asyncio.Queue[Processed]] = {}
+        self._tickets: dict[str, _Ticket] = {}
         self._reader: asyncio.Task[None] | None = None
 
     def _wait_ready(self) -> None:
@@ -285,14 +286,15 @@ class PostprocessPool:
         """Sends `job` to the next worker; the ticket forwards its engine outputs and receives its results."""
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read())
-        ticket = _Ticket(job.request.request_id, self._outboxes[next(self._next)])
-        self._queues[ticket.request_id] = ticket.results
+        worker = next(self._next)
+        ticket = _Ticket(job.request.request_id, worker, self._outboxes[worker])
+        self._tickets[ticket.request_id] = ticket
         ticket.outbox.send(job)
         return ticket
 
     def close(self, ticket: _Ticket, unfinished: bool) -> None:
         """Stops routing the ticket's results; an `unfinished` job is also dropped by its worker."""
-        self._queues.pop(ticket.request_id, None)
+        self._tickets.pop(ticket.request_id, None)
         if unfinished:
             with contextlib.suppress(RuntimeError):  # a worker that is gone holds nothing to drop
                 ticket.outbox.send(Drop(ticket.request_id))
@@ -300,21 +302,24 @@ class PostprocessPool:
     async def _read(self) -> None:
         while True:
             if not await self._from_workers.poll(_POLL_MS):
-                dead = [p.name for p in self.processes if not p.is_alive()]
-                if dead:
-                    self._fail_all(f"post-processing worker {dead[0]} exited")
+                self._fail_orphans()
                 continue
             msg = self._decode(await self._from_workers.recv())
             if isinstance(msg, WorkerReady):
                 continue
             for item in msg.items:
-                queue = self._queues.get(item.request_id)
-                if queue is not None:
-                    queue.put_nowait(item)
+                ticket = self._tickets.get(item.request_id)
+                if ticket is not None:
+                    ticket.results.put_nowait(item)
 
-    def _fail_all(self, error: str) -> None:
-        for rid, queue in self._queues.items():
-            queue.put_nowait(Processed(rid, b"", finish_reason="error", error=error))
+    def _fail_orphans(self) -> None:
+        """Fails, once each, the responses whose worker has died; the other workers' go on."""
+        for rid, ticket in list(self._tickets.items()):
+            process = self.processes[ticket.worker]
+            if not process.is_alive():
+                del self._tickets[rid]
+                error = f"post-processing worker {process.name} exited"
+                ticket.results.put_nowait(Processed(rid, b"", finish_reason="error", error=error))
 
     def shutdown(self) -> None:
         for outbox, process in zip(self._outboxes, self.processes, strict=True):
