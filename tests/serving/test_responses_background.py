@@ -152,3 +152,14 @@ def test_restart_fails_what_was_left_unfinished(tokenizer, tmp_path):
         "failed",
         {"code": "server_error", "message": "The server stopped before this response finished."},
     )
+
+
+def test_a_bug_mid_run_stores_failed_not_queued(client, monkeypatch):
+    def broken(self, out):
+        raise RuntimeError("formatter bug")
+
+    monkeypatch.setattr("hybridserve.serving.openai.responses.events.ResponseFormatter.feed", broken)
+    rid = client.post("/v1/responses", json={"input": ASK, "background": True}).json()["id"]
+    body = wait_for(client, rid, "failed")
+    assert body["error"] == {"code": "server_error", "message": "The response failed: formatter bug"}
+    check(body, "Response")

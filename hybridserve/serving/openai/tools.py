@@ -211,24 +211,23 @@ def _choice(choice: Any, functions: list[FunctionTool], nested: bool) -> str:
 
 def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """`messages` with tools, calls and results written as Hermes text, for templates that know no tools."""
-    out = []
+    out: list[dict[str, Any]] = []
+    previous = None
     for message in messages:
         role = message["role"]
         content = message.get("content") or ""
         if role == "assistant" and message.get("tool_calls"):
             calls = [_hermes_call(call["function"]) for call in message["tool_calls"]]
-            content = "\n".join(([content] if content else []) + calls)
-            out.append({"role": "assistant", "content": content})
+            out.append({"role": "assistant", "content": "\n".join(([content] if content else []) + calls)})
         elif role == "tool":
             result = f"<tool_response>\n{content}\n</tool_response>"
-            if out and out[-1].get("tool_results"):  # consecutive results share one turn
+            if previous == "tool":  # consecutive results share one user turn
                 out[-1]["content"] += "\n" + result
             else:
-                out.append({"role": "user", "content": result, "tool_results": True})
+                out.append({"role": "user", "content": result})
         else:
             out.append({"role": role, "content": content})
-    for message in out:
-        message.pop("tool_results", None)
+        previous = role
     if tools:
         declarations = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
         block = (

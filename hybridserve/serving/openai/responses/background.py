@@ -15,7 +15,9 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
 from hybridserve.serving.openai.responses.events import ResponseRun
+from hybridserve.serving.openai.responses.protocol import failed_response
 from hybridserve.serving.openai.responses.store import ResponseStore
 
 logger = logging.getLogger(__name__)
@@ -51,8 +53,10 @@ class BackgroundRuns:
             cancelled = live.response.cancelled()
             self.store.replace(cancelled)
             self.store.put_events(response_id, live.frames)
-        except Exception:  # ResponseRun turns engine failures into events; anything else is a bug
+        except Exception as exc:  # ResponseRun turns engine failures into events; anything else is a bug
             logger.exception("background response %s failed", response_id)
+            error = APIError(500, f"The response failed: {exc}", type=SERVER_ERROR)
+            self.store.replace(failed_response(live.response.base, error, live.response.run.usage()))
         finally:
             del self._live[response_id]
             async with live.changed:
