@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.cache.specs import CacheLayout, LinearStateSpec
+from hybridserve.engine.cache.specs import AttentionSpec, CacheLayout, LinearStateSpec
 from hybridserve.engine.cache.state_pool import StatePool
 from hybridserve.engine.cache.state_snapshots import StateSnapshots
 from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
@@ -18,6 +18,7 @@ from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.engine.structured_output import GrammarBitmask, SequenceGrammar
 from hybridserve.models.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, StateMetadata
 from hybridserve.models.layers.linear import can_pack, pack_linears
+from hybridserve.models.layers.native import KernelUnavailable, PagedDecode, load_paged_decode
 from hybridserve.models.layers.rope import RotaryEmbedding
 from hybridserve.models.loader.safetensors import load_state_dict, pack
 from hybridserve.models.registry import load_config, model_class, state_adapter
@@ -122,9 +123,24 @@ class ModelRunner:
         self.kv_caches = [
             next(states) if isinstance(s, LinearStateSpec) else next(paged) for s in self.layout.layer_specs
         ]
+        self.decode_kernel = self._load_decode_kernel(config)
         self.sampler = Sampler(self.vocab_size)
         self.sampling_states: dict[str, SamplingState] = {}
         self.grammar_bitmask = GrammarBitmask(self.vocab_size)
+
+    def _load_decode_kernel(self, config: EngineConfig) -> PagedDecode | None:
+        """The native decode-attention kernel for this model's attention layers, or None for stock ops."""
+        specs = {s for s in self.layout.paged_specs if isinstance(s, AttentionSpec)}
+        if config.attention_backend != "auto" or self.device.type != "cpu" or len(specs) != 1:
+            return None
+        spec = specs.pop()
+        try:
+            kernel = load_paged_decode(spec.dtype, spec.head_dim, spec.block_size)
+        except KernelUnavailable as exc:
+            logger.warning("decode attention falls back to PyTorch ops: %s", exc)
+            return None
+        logger.info("decode attention: native paged kernel (head_dim %d, %s)", spec.head_dim, spec.dtype)
+        return kernel
 
     def release(self, request_id: str) -> None:
         self.sampling_states.pop(request_id, None)
@@ -167,15 +183,17 @@ class ModelRunner:
         if decode_rows:
             width = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
-            lens = torch.tensor(decode_lens, device=dev).unsqueeze(1)
-            visible = torch.arange(width * bs, device=dev).unsqueeze(0) < lens
+            lens = torch.tensor(decode_lens, device=dev)
+            visible = torch.arange(width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
             bias = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
-            decode = DecodeGroup(torch.tensor(decode_rows, device=dev), tables, tables.flatten(), bias.unsqueeze(1))
+            decode = DecodeGroup(
+                torch.tensor(decode_rows, device=dev), tables, tables.flatten(), lens, bias.unsqueeze(1)
+            )
         states = None
         if state_slots is not None:
             decode_slots = torch.tensor(decode_states, device=dev) if decode_states else None
             states = StateMetadata(decode_slots, prefill_states)
-        return AttentionMetadata(torch.tensor(slots, device=dev), decode, prefills, states)
+        return AttentionMetadata(torch.tensor(slots, device=dev), decode, prefills, states, self.decode_kernel)
 
     @torch.inference_mode()
     def execute(

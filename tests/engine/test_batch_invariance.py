@@ -93,3 +93,11 @@ def test_n_choices_share_the_prompt_and_seeds_reproduce(smollm2_dir):
     assert a == b
     assert len({tuple(x) for x in a}) == 3, "choices with seeds seed+i should differ"
     llm.core.check_integrity()
+
+
+def test_pytorch_attention_backend_gives_the_same_tokens(smollm2_dir, reference):
+    """The gather + matmul decode path (CUDA, or no C compiler) agrees with the native kernel used above."""
+    prompts, alone = reference
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", attention_backend="torch")
+    assert llm.core.runner.decode_kernel is None
+    assert _run(llm, prompts) == alone

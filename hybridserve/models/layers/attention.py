@@ -4,6 +4,9 @@ Each step's batch is the concatenation of every scheduled request's new tokens. 
 written into the paged cache first; then each request's queries attend to its cached keys. Requests
 with one new token (decodes) are attended to together in one batched call; a multi-token chunk
 (prefill) gets its own call, attending straight to its fresh keys when it has no cached context.
+
+Decodes use the native kernel (native.py) when the model runner loaded one: it reads the blocks in place.
+Otherwise they are gathered into a dense buffer and attended to with stock matmuls (CUDA, or no compiler).
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from hybridserve.models.layers.native import PagedDecode
+
 
 @dataclass
 class DecodeGroup:
     token_index: torch.Tensor  # [B] positions of these requests' tokens in the flat batch
     block_tables: torch.Tensor  # [B, max_blocks]
     flat_tables: torch.Tensor  # block_tables.flatten()
+    context_lens: torch.Tensor  # [B] int64: keys each request's query sees (its new token included)
     bias: torch.Tensor  # [B, 1, max_blocks * block_size]: 0 where a key is visible, -inf elsewhere
 
 
@@ -47,6 +53,7 @@ class AttentionMetadata:
     decode: DecodeGroup | None
     prefills: list[PrefillChunk]
     states: StateMetadata | None = None  # only for models with linear-attention layers
+    decode_kernel: PagedDecode | None = None  # reads the paged cache in place (CPU); else gather + matmul
     # Gather buffers reused by every layer of the step (layers of one kind share a shape): allocating
     # megabytes per layer costs more than the gather itself on CPU.
     workspace: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
@@ -108,19 +115,27 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tenso
     return torch.matmul(probs, v).transpose(0, 1).reshape(b, hq, d)
 
 
+def _decode_group(
+    q: torch.Tensor, cache: torch.Tensor, d: DecodeGroup, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q: [B, Hq, D], one query per request of the decode group. Returns [B, Hq, D]."""
+    if meta.decode_kernel is not None:
+        return meta.decode_kernel(q, cache, d.block_tables, d.context_lens, scale)
+    kc, vc = _gather(cache, d.flat_tables, d.block_tables.shape[0], meta.workspace)
+    return _decode(q, kc, vc, d.bias, scale)
+
+
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the step's new tokens. Returns [T, Hq, D]."""
     write_kv(cache, k, v, meta.slot_mapping)
     d = meta.decode
-    if d is not None:
-        kc, vc = _gather(cache, d.flat_tables, d.block_tables.shape[0], meta.workspace)
-        if not meta.prefills:  # decodes only (the steady state): no scatter needed
-            return _decode(q, kc, vc, d.bias, scale)
+    if d is not None and not meta.prefills:  # decodes only (the steady state): no scatter needed
+        return _decode_group(q, cache, d, meta, scale)
     out = q.new_empty(q.shape)
     if d is not None:
-        out.index_copy_(0, d.token_index, _decode(q.index_select(0, d.token_index), kc, vc, d.bias, scale))
+        out.index_copy_(0, d.token_index, _decode_group(q.index_select(0, d.token_index), cache, d, meta, scale))
     for p in meta.prefills:
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if p.block_table is None:

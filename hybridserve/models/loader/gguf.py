@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from hybridserve.paths import cache_dir
+
 logger = logging.getLogger("hybridserve.loader")
 
 GGUF_MAGIC = b"GGUF"
@@ -62,8 +64,7 @@ BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def default_cache_root() -> Path:
-    env = os.environ.get("HYBRIDSERVE_CACHE_DIR")
-    return Path(env) / "gguf" if env else Path.home() / ".cache" / "hybridserve" / "gguf"
+    return cache_dir("gguf")
 
 
 def convert_gguf(path: Path, cache_root: Path | None = None) -> Path:

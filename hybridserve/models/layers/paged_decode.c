@@ -1,0 +1,124 @@
+/* Decode attention that reads the paged KV cache in place (CPU).
+ *
+ * One query token per request; each (request, KV head) pair is one work item, spread over the OpenMP
+ * threads that PyTorch itself uses (the process has a single libgomp). The item walks its request's
+ * blocks once, keeping a running max and sum per query head (online softmax), so no key or value is
+ * copied out of the cache and nothing is materialised per token. Everything is accumulated in float32.
+ *
+ * Built at start-up for the host (-march=native) with HEAD_DIM and BLOCK_SIZE fixed at compile time,
+ * which lets the compiler keep a row in registers and vectorise every inner loop; see native.py.
+ *
+ * Cache layout: [2 (K, V), kv_heads, num_blocks, BLOCK_SIZE, HEAD_DIM], as in attention.py.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#ifndef HEAD_DIM
+#error "compile with -DHEAD_DIM=<head dimension>"
+#endif
+#ifndef BLOCK_SIZE
+#error "compile with -DBLOCK_SIZE=<tokens per KV block>"
+#endif
+
+typedef union {
+    uint32_t u;
+    float f;
+} bits32;
+
+static inline float bf16_to_float(uint16_t x) {
+    bits32 b;
+    b.u = (uint32_t)x << 16;
+    return b.f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as PyTorch does */
+    bits32 b;
+    b.f = f;
+    if ((b.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
+    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
+}
+
+static inline float as_float(float x) { return x; }
+
+/* exp(x) for x <= 0 in plain arithmetic, so that loops over it vectorise on any target (a libm call
+ * would not). Relative error about 2e-7. Inputs below -87, -inf included, give about 1e-38 instead of 0,
+ * which is harmless here: they only ever scale sums that are still zero. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
+    const float r = x - k * 0.693145752f - k * 1.42860677e-6f;      /* x - k ln 2, in two parts */
+    const float p =
+        1.0f + r * (1.0f + r * (0.5f + r * (1.66666672e-1f + r * (4.16666679e-2f + r * (8.33333377e-3f +
+                                                                                          r * 1.38888892e-3f)))));
+    bits32 scale;
+    scale.u = (uint32_t)((int32_t)k + 127) << 23; /* 2^k */
+    return p * scale.f;
+}
+
+/* q: [batch, q_heads, HEAD_DIM] with `q_stride` elements between requests; tables: [batch, table_stride]
+ * block ids; lens: [batch] tokens to attend to (the new one included); out: [batch, q_heads, HEAD_DIM]. */
+#define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE)                                                            \
+    void NAME(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, const int64_t* tables,       \
+              int64_t table_stride, const int64_t* lens, T* out, int64_t batch, int64_t q_heads,             \
+              int64_t kv_heads, float scale) {                                                               \
+        const int64_t group = q_heads / kv_heads;                                                            \
+        const int64_t head_stride = num_blocks * BLOCK_SIZE * HEAD_DIM;                                      \
+        _Pragma("omp parallel for schedule(dynamic, 1)") for (int64_t item = 0; item < batch * kv_heads;     \
+                                                              item++) {                                      \
+            const int64_t b = item / kv_heads, h = item % kv_heads, len = lens[b];                          \
+            float qf[group][HEAD_DIM], acc[group][HEAD_DIM], p[group][BLOCK_SIZE], run_max[group],           \
+                run_sum[group];                                                                              \
+            float row[BLOCK_SIZE][HEAD_DIM];                                                                 \
+            for (int64_t g = 0; g < group; g++) {                                                            \
+                const T* src = q + b * q_stride + (h * group + g) * HEAD_DIM;                                \
+                for (int d = 0; d < HEAD_DIM; d++) {                                                         \
+                    qf[g][d] = LOAD(src[d]) * scale;                                                         \
+                    acc[g][d] = 0.0f;                                                                        \
+                }                                                                                            \
+                run_max[g] = -INFINITY;                                                                      \
+                run_sum[g] = 0.0f;                                                                           \
+            }                                                                                                \
+            const T* keys = cache + h * head_stride;                                                         \
+            const T* values = cache + (kv_heads + h) * head_stride;                                          \
+            for (int64_t start = 0; start < len; start += BLOCK_SIZE) {                                      \
+                const int64_t block = tables[b * table_stride + start / BLOCK_SIZE];                         \
+                const int n = len - start < BLOCK_SIZE ? (int)(len - start) : BLOCK_SIZE;                    \
+                const T* kb = keys + block * BLOCK_SIZE * HEAD_DIM;                                          \
+                const T* vb = values + block * BLOCK_SIZE * HEAD_DIM;                                        \
+                for (int t = 0; t < n; t++)                                                                  \
+                    for (int d = 0; d < HEAD_DIM; d++) row[t][d] = LOAD(kb[t * HEAD_DIM + d]);               \
+                for (int64_t g = 0; g < group; g++) {                                                        \
+                    float block_max = run_max[g];                                                            \
+                    for (int t = 0; t < n; t++) {                                                            \
+                        float dot = 0.0f;                                                                    \
+                        _Pragma("omp simd reduction(+ : dot)") for (int d = 0; d < HEAD_DIM; d++) dot +=     \
+                            qf[g][d] * row[t][d];                                                            \
+                        p[g][t] = dot;                                                                       \
+                        block_max = dot > block_max ? dot : block_max;                                       \
+                    }                                                                                        \
+                    const float rescale = exp_nonpositive(run_max[g] - block_max);                           \
+                    float sum = 0.0f;                                                                        \
+                    _Pragma("omp simd reduction(+ : sum)") for (int t = 0; t < n; t++) {                     \
+                        p[g][t] = exp_nonpositive(p[g][t] - block_max);                                      \
+                        sum += p[g][t];                                                                      \
+                    }                                                                                        \
+                    run_max[g] = block_max;                                                                  \
+                    run_sum[g] = run_sum[g] * rescale + sum;                                                 \
+                    for (int d = 0; d < HEAD_DIM; d++) acc[g][d] *= rescale;                                 \
+                }                                                                                            \
+                for (int t = 0; t < n; t++)                                                                  \
+                    for (int d = 0; d < HEAD_DIM; d++) row[t][d] = LOAD(vb[t * HEAD_DIM + d]);               \
+                for (int64_t g = 0; g < group; g++)                                                          \
+                    for (int t = 0; t < n; t++)                                                              \
+                        for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p[g][t] * row[t][d];                 \
+            }                                                                                                \
+            for (int64_t g = 0; g < group; g++) {                                                            \
+                T* dst = out + (b * q_heads + h * group + g) * HEAD_DIM;                                     \
+                const float inv = 1.0f / run_sum[g];                                                         \
+                for (int d = 0; d < HEAD_DIM; d++) dst[d] = STORE(acc[g][d] * inv);                          \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+
+DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_float, float_to_bf16)
+DEFINE_PAGED_DECODE(paged_decode_f32, float, as_float, as_float)

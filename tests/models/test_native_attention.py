@@ -1,0 +1,107 @@
+"""The native paged decode kernel against a float64 reference, and its fallbacks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hybridserve.config import EngineConfig
+from hybridserve.engine.model_runner import ModelRunner
+from hybridserve.models.layers import native
+from hybridserve.models.layers.native import KernelUnavailable, load_paged_decode
+
+
+def _reference(q, cache, tables, lens, scale):
+    """Plain float64 attention of each request's query over its first `len` cached tokens."""
+    b, hq, d = q.shape
+    hkv, bs = cache.shape[1], cache.shape[3]
+    group = hq // hkv
+    out = torch.empty(b, hq, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(lens[i])
+        blocks = tables[i, : -(-n // bs)]
+        k = cache[0][:, blocks].reshape(hkv, -1, d)[:, :n].double()
+        v = cache[1][:, blocks].reshape(hkv, -1, d)[:, :n].double()
+        for h in range(hq):
+            scores = (q[i, h].double() @ k[h // group].T) * scale
+            out[i, h] = scores.softmax(-1) @ v[h // group]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("q_heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 64, 32), (6, 2, 80, 8)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_float64_reference(q_heads, kv_heads, head_dim, block_size, dtype):
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    num_blocks = 64
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    # Lengths on and around block boundaries; block tables in scrambled order, with two requests sharing
+    # their first blocks as prefix-cache hits do.
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 5 * block_size, 2])
+    width = 5
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width).contiguous()
+    tables[4, :2] = tables[3, :2]
+    # Queries as the model hands them over: the head rows of a wider projection, strided between tokens.
+    qkv = torch.randn(len(lens), q_heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    q = qkv[:, :q_heads]
+    kernel = load_paged_decode(dtype, head_dim, block_size)
+    out = kernel(q, cache, tables, lens, head_dim**-0.5)
+    ref = _reference(q, cache, tables, lens, head_dim**-0.5)
+    assert out.dtype == dtype and out.shape == (len(lens), q_heads, head_dim)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+    else:  # accumulated in float32, rounded once: within one bfloat16 step of the exact result
+        torch.testing.assert_close(out.double(), ref.to(dtype).double(), atol=1e-2, rtol=8e-3)
+
+
+def test_a_single_visible_key_returns_its_value():
+    cache = torch.zeros(2, 1, 4, 16, 64)
+    cache[1, 0, 2, 0] = torch.arange(64.0)
+    out = load_paged_decode(torch.float32, 64, 16)(
+        torch.randn(1, 1, 64), cache, torch.tensor([[2]]), torch.tensor([1]), 0.125
+    )
+    assert torch.equal(out[0, 0], torch.arange(64.0))
+
+
+def test_no_kernel_for_float16():
+    with pytest.raises(KernelUnavailable, match=r"dtype torch.float16"):
+        load_paged_decode(torch.float16, 64, 16)
+
+
+def test_missing_compiler_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(KernelUnavailable, match=r"C compiler 'no-such-cc' \(from \$CC, default cc\) not found"):
+        load_paged_decode(torch.float32, 64, 16)
+
+
+def test_failed_build_leaves_no_library(monkeypatch, tmp_path):
+    monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # runs, prints nothing, exits 1
+    with pytest.raises(KernelUnavailable, match=r"false failed to build paged_decode.c"):
+        load_paged_decode(torch.float32, 64, 16)
+    assert list((tmp_path / "kernels").iterdir()) == []
+
+
+def test_build_is_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
+    first = native._build(64, 16)
+    mtime = first.stat().st_mtime_ns
+    assert native._build(64, 16) == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
+
+
+def test_runner_uses_the_kernel_on_cpu_and_falls_back_without_a_compiler(smollm2_dir, monkeypatch, tmp_path, caplog):
+    assert ModelRunner(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8), smollm2_dir).decode_kernel
+    config = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8, attention_backend="torch")
+    assert ModelRunner(config, smollm2_dir).decode_kernel is None
+    monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc")
+    with caplog.at_level(logging.WARNING, logger="hybridserve.engine"):
+        runner = ModelRunner(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8), smollm2_dir)
+    assert runner.decode_kernel is None
+    assert "decode attention falls back to PyTorch ops: C compiler 'no-such-cc'" in caplog.text
