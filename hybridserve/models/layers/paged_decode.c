@@ -4,6 +4,7 @@
  * threads that PyTorch itself uses (the process has a single libgomp). The item walks its request's
  * blocks once, keeping a running max and sum per query head (online softmax), so no key or value is
  * copied out of the cache and nothing is materialised per token. Everything is accumulated in float32.
+ * While a block is read the next one is prefetched: blocks are scattered, so the hardware cannot guess.
  *
  * Built at start-up for the host (-march=native) with HEAD_DIM and BLOCK_SIZE fixed at compile time,
  * which lets the compiler keep a row in registers and vectorise every inner loop; see native.py.
@@ -19,6 +20,9 @@
 #ifndef BLOCK_SIZE
 #error "compile with -DBLOCK_SIZE=<tokens per KV block>"
 #endif
+
+#define CACHE_LINE 64
+#define ROW_BYTES(T) ((int)(HEAD_DIM * sizeof(T)))
 
 typedef union {
     uint32_t u;
@@ -80,13 +84,22 @@ static inline float exp_nonpositive(float x) {
             }                                                                                                \
             const T* keys = cache + h * head_stride;                                                         \
             const T* values = cache + (kv_heads + h) * head_stride;                                          \
-            for (int64_t start = 0; start < len; start += BLOCK_SIZE) {                                      \
-                const int64_t block = tables[b * table_stride + start / BLOCK_SIZE];                         \
+            for (int64_t start = 0, j = 0; start < len; start += BLOCK_SIZE, j++) {                          \
+                const int64_t block = tables[b * table_stride + j];                                          \
                 const int n = len - start < BLOCK_SIZE ? (int)(len - start) : BLOCK_SIZE;                    \
                 const T* kb = keys + block * BLOCK_SIZE * HEAD_DIM;                                          \
                 const T* vb = values + block * BLOCK_SIZE * HEAD_DIM;                                        \
-                for (int t = 0; t < n; t++)                                                                  \
+                /* The next block is somewhere else in memory: ask for it a row per row of this one. */      \
+                const int64_t next = start + BLOCK_SIZE < len ? tables[b * table_stride + j + 1] : block;    \
+                const char* next_k = (const char*)(keys + next * BLOCK_SIZE * HEAD_DIM);                     \
+                const char* next_v = (const char*)(values + next * BLOCK_SIZE * HEAD_DIM);                   \
+                for (int t = 0; t < n; t++) {                                                                \
+                    for (int o = t * ROW_BYTES(T); o < (t + 1) * ROW_BYTES(T); o += CACHE_LINE) {           \
+                        __builtin_prefetch(next_k + o);                                                      \
+                        __builtin_prefetch(next_v + o);                                                      \
+                    }                                                                                        \
                     for (int d = 0; d < HEAD_DIM; d++) row[t][d] = LOAD(kb[t * HEAD_DIM + d]);               \
+                }                                                                                            \
                 for (int64_t g = 0; g < group; g++) {                                                        \
                     float block_max = run_max[g];                                                            \
                     for (int t = 0; t < n; t++) {                                                            \
