@@ -18,7 +18,9 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048  # token budget per engine step
+    # Token budget per engine step; default 512 on CPU (a burst of new prompts is prefilled in several
+    # steps, so the first of them start streaming sooner), 2048 on CUDA.
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory_bytes: int = 2 * 1024**3
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes (tests use tiny budgets)
@@ -44,7 +46,7 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
             )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidParameter(name, f"{name} must be positive, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidParameter("max_model_len", f"max_model_len must be positive, got {self.max_model_len}")
@@ -61,3 +63,9 @@ class EngineConfig:
                 "long_prefill_token_threshold",
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
             )
+
+    def token_budget(self, device_type: str) -> int:
+        """max_num_batched_tokens, or its default for the device the engine runs on."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if device_type == "cuda" else 512

@@ -52,7 +52,7 @@ class EngineCore:
             self.runner.state_pool,
             self.runner.snapshots,
         )
-        self.scheduler = Scheduler(config, self.kv)
+        self.scheduler = Scheduler(config, self.kv, self.runner.device.type)
         self._pending: list[EngineCoreOutput] = []
         self.grammars = GrammarCompiler(hf_dir, self.runner.vocab_size)
         self._compiling: dict[str, _Compiling] = {}

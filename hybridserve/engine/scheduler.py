@@ -40,10 +40,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, device_type: str) -> None:
         self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.chunk_limit = config.long_prefill_token_threshold or config.max_num_batched_tokens
+        self.max_num_batched_tokens = config.token_budget(device_type)
+        self.chunk_limit = config.long_prefill_token_threshold or self.max_num_batched_tokens
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

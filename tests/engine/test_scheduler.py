@@ -22,7 +22,7 @@ class Harness:
 
     def __init__(self, num_blocks: int = 64, prefix: bool = True, max_model_len: int = 1024, **config) -> None:
         self.kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=prefix)
-        self.sched = Scheduler(EngineConfig(block_size=BS, enable_prefix_caching=prefix, **config), self.kv)
+        self.sched = Scheduler(EngineConfig(block_size=BS, enable_prefix_caching=prefix, **config), self.kv, "cpu")
         self.max_model_len = max_model_len
         self.scripts: dict[str, list[int]] = {}
 
@@ -86,6 +86,20 @@ def test_fcfs_head_of_line_blocks_smaller_requests_behind_it() -> None:
     assert h.step() == [("a", 8, True)]
     assert h.waiting() == ["b", "c"]
     assert h.kv.pool.num_free == 2
+
+
+def test_default_budget_spreads_a_burst_of_prompts_over_steps_on_cpu() -> None:
+    """512 tokens a step on CPU: of 20 fresh 40-token prompts the first 12 start (the 13th with its first
+    32 tokens); the next step decodes those and goes on with the rest."""
+    h = Harness(num_blocks=512, prefix=False)
+    for i in range(20):
+        h.add(f"r{i}", prompt(40, base=100 * i))
+    first = h.step()
+    assert [n for _, n, _ in first] == [40] * 12 + [32]
+    second = h.step()
+    assert [n for _, n, _ in second] == [1] * 12 + [8] + [40] * 7
+    assert EngineConfig().token_budget("cuda") == 2048
+    assert EngineConfig(max_num_batched_tokens=100).token_budget("cpu") == 100
 
 
 def test_long_prompt_is_chunked_by_the_token_budget() -> None:
