@@ -134,12 +134,19 @@ class ModelRunner:
         if config.attention_backend != "auto" or self.device.type != "cpu" or len(specs) != 1:
             return None
         spec = specs.pop()
+        heads = self.hf_config.num_attention_heads
+        group = heads // (getattr(self.hf_config, "num_key_value_heads", None) or heads)
         try:
-            kernel = load_paged_decode(spec.dtype, spec.head_dim, spec.block_size)
+            kernel = load_paged_decode(spec.dtype, spec.head_dim, spec.block_size, group)
         except KernelUnavailable as exc:
             logger.warning("decode attention falls back to PyTorch ops: %s", exc)
             return None
-        logger.info("decode attention: native paged kernel (head_dim %d, %s)", spec.head_dim, spec.dtype)
+        logger.info(
+            "decode attention: native paged kernel (head_dim %d, %d query heads per KV head, %s)",
+            spec.head_dim,
+            group,
+            spec.dtype,
+        )
         return kernel
 
     def release(self, request_id: str) -> None:

@@ -48,7 +48,7 @@ def test_kernel_matches_float64_reference(q_heads, kv_heads, head_dim, block_siz
     # Queries as the model hands them over: the head rows of a wider projection, strided between tokens.
     qkv = torch.randn(len(lens), q_heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
     q = qkv[:, :q_heads]
-    kernel = load_paged_decode(dtype, head_dim, block_size)
+    kernel = load_paged_decode(dtype, head_dim, block_size, q_heads // kv_heads)
     out = kernel(q, cache, tables, lens, head_dim**-0.5)
     ref = _reference(q, cache, tables, lens, head_dim**-0.5)
     assert out.dtype == dtype and out.shape == (len(lens), q_heads, head_dim)
@@ -61,37 +61,43 @@ def test_kernel_matches_float64_reference(q_heads, kv_heads, head_dim, block_siz
 def test_a_single_visible_key_returns_its_value():
     cache = torch.zeros(2, 1, 4, 16, 64)
     cache[1, 0, 2, 0] = torch.arange(64.0)
-    out = load_paged_decode(torch.float32, 64, 16)(
+    out = load_paged_decode(torch.float32, 64, 16, 1)(
         torch.randn(1, 1, 64), cache, torch.tensor([[2]]), torch.tensor([1]), 0.125
     )
     assert torch.equal(out[0, 0], torch.arange(64.0))
 
 
+def test_shapes_it_was_not_built_for_are_refused():
+    kernel = load_paged_decode(torch.float32, 64, 16, 3)
+    with pytest.raises(ValueError, match=r"kernel built for head_dim 64, block_size 16, 3 query heads per KV head"):
+        kernel(torch.randn(1, 4, 64), torch.zeros(2, 1, 4, 16, 64), torch.tensor([[0]]), torch.tensor([1]), 0.125)
+
+
 def test_no_kernel_for_float16():
     with pytest.raises(KernelUnavailable, match=r"dtype torch.float16"):
-        load_paged_decode(torch.float16, 64, 16)
+        load_paged_decode(torch.float16, 64, 16, 1)
 
 
 def test_missing_compiler_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-cc")
     with pytest.raises(KernelUnavailable, match=r"C compiler 'no-such-cc' \(from \$CC, default cc\) not found"):
-        load_paged_decode(torch.float32, 64, 16)
+        load_paged_decode(torch.float32, 64, 16, 1)
 
 
 def test_failed_build_leaves_no_library(monkeypatch, tmp_path):
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # runs, prints nothing, exits 1
     with pytest.raises(KernelUnavailable, match=r"false failed to build paged_decode.c"):
-        load_paged_decode(torch.float32, 64, 16)
+        load_paged_decode(torch.float32, 64, 16, 1)
     assert list((tmp_path / "kernels").iterdir()) == []
 
 
 def test_build_is_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
-    first = native._build(64, 16)
+    first = native._build(64, 16, 1)
     mtime = first.stat().st_mtime_ns
-    assert native._build(64, 16) == first and first.stat().st_mtime_ns == mtime
+    assert native._build(64, 16, 1) == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
 
 

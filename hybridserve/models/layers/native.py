@@ -2,10 +2,10 @@
 
 Stock PyTorch ops cannot read a paged KV cache in place: decode attention would first gather every
 request's blocks into a dense buffer (a copy as large as the live KV, per layer and step) and then read
-it back. `paged_decode.c` reads the blocks where they are. It is compiled once per (source, compiler,
-CPU, head_dim, block_size) with the system C compiler (`$CC`, default `cc`) into the cache directory, so
-later starts only load it (~1 ms); the first build takes about a second. Without a working compiler the
-engine logs why and keeps the PyTorch path, which computes the same attention.
+it back. `paged_decode.c` reads the blocks where they are. It is compiled once per
+(source, compiler, CPU, head_dim, block_size, query heads per KV head) with the system C compiler (`$CC`,
+default `cc`) into the cache directory, so later starts only load it (~1 ms); the first build takes about a
+second. Without a working compiler the engine logs why and keeps the PyTorch path, which computes the same attention.
 
 The library is linked with -fopenmp and loaded into a process where PyTorch already loaded its libgomp,
 so both share one OpenMP runtime and thread count (`torch.set_num_threads` applies to the kernel too).
@@ -42,10 +42,11 @@ class KernelUnavailable(RuntimeError):
 
 
 class PagedDecode:
-    """Decode attention over a paged cache for one (dtype, head_dim, block_size), reading blocks in place."""
+    """Decode attention over a paged cache for one (dtype, head_dim, block_size, query heads per KV head),
+    reading blocks in place."""
 
-    def __init__(self, library: Path, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
-        self.dtype, self.head_dim, self.block_size = dtype, head_dim, block_size
+    def __init__(self, library: Path, dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> None:
+        self.dtype, self.head_dim, self.block_size, self.group = dtype, head_dim, block_size, group
         self._fn = getattr(ctypes.CDLL(str(library)), _ENTRY_POINTS[dtype])
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = None
@@ -57,6 +58,11 @@ class PagedDecode:
         cache: [2, Hkv, num_blocks, block_size, D] contiguous; block_tables: [B, W] int64 contiguous;
         context_lens: [B] int64, tokens each query attends to. Returns [B, Hq, D]."""
         b, hq, d = q.shape
+        if hq != self.group * cache.shape[1] or d != self.head_dim or cache.shape[3] != self.block_size:
+            raise ValueError(
+                f"kernel built for head_dim {self.head_dim}, block_size {self.block_size}, {self.group} query "
+                f"heads per KV head; got q {tuple(q.shape)} and cache {tuple(cache.shape)}"
+            )
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
         out = torch.empty((b, hq, d), dtype=q.dtype)
@@ -77,24 +83,25 @@ class PagedDecode:
         return out
 
 
-def load_paged_decode(dtype: torch.dtype, head_dim: int, block_size: int) -> PagedDecode:
-    """The kernel for these shapes, built on first use. Raises KernelUnavailable naming the reason."""
+def load_paged_decode(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> PagedDecode:
+    """The kernel for these shapes (`group`: query heads per KV head), built on first use. Raises
+    KernelUnavailable naming the reason."""
     if dtype not in _ENTRY_POINTS:
         raise KernelUnavailable(f"no native paged-decode kernel for dtype {dtype} (only bfloat16 and float32)")
-    return PagedDecode(_build(head_dim, block_size), dtype, head_dim, block_size)
+    return PagedDecode(_build(head_dim, block_size, group), dtype, head_dim, block_size, group)
 
 
-def _build(head_dim: int, block_size: int) -> Path:
+def _build(head_dim: int, block_size: int, group: int) -> Path:
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise KernelUnavailable(f"C compiler {compiler!r} (from $CC, default cc) not found")
-    defines = (f"-DHEAD_DIM={head_dim}", f"-DBLOCK_SIZE={block_size}")
+    defines = (f"-DHEAD_DIM={head_dim}", f"-DBLOCK_SIZE={block_size}", f"-DGROUP={group}")
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(
         b"\0".join([source, " ".join(_FLAGS + defines).encode(), _compiler_version(compiler), _cpu_identity().encode()])
     ).hexdigest()[:16]
     root = cache_dir("kernels")
-    library = root / f"paged_decode-d{head_dim}-b{block_size}-{key}.so"
+    library = root / f"paged_decode-d{head_dim}-b{block_size}-g{group}-{key}.so"
     if library.is_file():
         return library
     root.mkdir(parents=True, exist_ok=True)

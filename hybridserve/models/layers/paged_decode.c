@@ -6,8 +6,9 @@
  * copied out of the cache and nothing is materialised per token. Everything is accumulated in float32.
  * While a block is read the next one is prefetched: blocks are scattered, so the hardware cannot guess.
  *
- * Built at start-up for the host (-march=native) with HEAD_DIM and BLOCK_SIZE fixed at compile time,
- * which lets the compiler keep a row in registers and vectorise every inner loop; see native.py.
+ * Built at start-up for the host (-march=native) with HEAD_DIM, BLOCK_SIZE and GROUP (query heads per KV
+ * head) fixed at compile time, which lets the compiler keep a key or value row and the accumulators in
+ * registers and vectorise every inner loop; see native.py.
  *
  * Cache layout: [2 (K, V), kv_heads, num_blocks, BLOCK_SIZE, HEAD_DIM], as in attention.py.
  */
@@ -19,6 +20,9 @@
 #endif
 #ifndef BLOCK_SIZE
 #error "compile with -DBLOCK_SIZE=<tokens per KV block>"
+#endif
+#ifndef GROUP
+#error "compile with -DGROUP=<query heads per KV head>"
 #endif
 
 #define CACHE_LINE 64
@@ -59,22 +63,19 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
-/* q: [batch, q_heads, HEAD_DIM] with `q_stride` elements between requests; tables: [batch, table_stride]
- * block ids; lens: [batch] tokens to attend to (the new one included); out: [batch, q_heads, HEAD_DIM]. */
+
 #define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE)                                                            \
     void NAME(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, const int64_t* tables,       \
               int64_t table_stride, const int64_t* lens, T* out, int64_t batch, int64_t q_heads,             \
               int64_t kv_heads, float scale) {                                                               \
-        const int64_t group = q_heads / kv_heads;                                                            \
         const int64_t head_stride = num_blocks * BLOCK_SIZE * HEAD_DIM;                                      \
         _Pragma("omp parallel for schedule(dynamic, 1)") for (int64_t item = 0; item < batch * kv_heads;     \
                                                               item++) {                                      \
             const int64_t b = item / kv_heads, h = item % kv_heads, len = lens[b];                          \
-            float qf[group][HEAD_DIM], acc[group][HEAD_DIM], p[group][BLOCK_SIZE], run_max[group],           \
-                run_sum[group];                                                                              \
-            float row[BLOCK_SIZE][HEAD_DIM];                                                                 \
-            for (int64_t g = 0; g < group; g++) {                                                            \
-                const T* src = q + b * q_stride + (h * group + g) * HEAD_DIM;                                \
+            float qf[GROUP][HEAD_DIM], acc[GROUP][HEAD_DIM], p[GROUP][BLOCK_SIZE], run_max[GROUP],           \
+                run_sum[GROUP];                                                                              \
+            for (int g = 0; g < GROUP; g++) {                                                                \
+                const T* src = q + b * q_stride + (h * GROUP + g) * HEAD_DIM;                                \
                 for (int d = 0; d < HEAD_DIM; d++) {                                                         \
                     qf[g][d] = LOAD(src[d]) * scale;                                                         \
                     acc[g][d] = 0.0f;                                                                        \
@@ -89,44 +90,47 @@ static inline float exp_nonpositive(float x) {
                 const int n = len - start < BLOCK_SIZE ? (int)(len - start) : BLOCK_SIZE;                    \
                 const T* kb = keys + block * BLOCK_SIZE * HEAD_DIM;                                          \
                 const T* vb = values + block * BLOCK_SIZE * HEAD_DIM;                                        \
-                /* The next block is somewhere else in memory: ask for it a row per row of this one. */      \
                 const int64_t next = start + BLOCK_SIZE < len ? tables[b * table_stride + j + 1] : block;    \
                 const char* next_k = (const char*)(keys + next * BLOCK_SIZE * HEAD_DIM);                     \
                 const char* next_v = (const char*)(values + next * BLOCK_SIZE * HEAD_DIM);                   \
+                float block_max[GROUP];                                                                      \
+                for (int g = 0; g < GROUP; g++) block_max[g] = run_max[g];                                   \
+                /* The next block is somewhere else in memory: ask for it a row per row of this one. */      \
                 for (int t = 0; t < n; t++) {                                                                \
                     for (int o = t * ROW_BYTES(T); o < (t + 1) * ROW_BYTES(T); o += CACHE_LINE) {           \
                         __builtin_prefetch(next_k + o);                                                      \
                         __builtin_prefetch(next_v + o);                                                      \
                     }                                                                                        \
-                    for (int d = 0; d < HEAD_DIM; d++) row[t][d] = LOAD(kb[t * HEAD_DIM + d]);               \
-                }                                                                                            \
-                for (int64_t g = 0; g < group; g++) {                                                        \
-                    float block_max = run_max[g];                                                            \
-                    for (int t = 0; t < n; t++) {                                                            \
+                    float k[HEAD_DIM];                                                                       \
+                    for (int d = 0; d < HEAD_DIM; d++) k[d] = LOAD(kb[t * HEAD_DIM + d]);                    \
+                    for (int g = 0; g < GROUP; g++) {                                                        \
                         float dot = 0.0f;                                                                    \
                         _Pragma("omp simd reduction(+ : dot)") for (int d = 0; d < HEAD_DIM; d++) dot +=     \
-                            qf[g][d] * row[t][d];                                                            \
+                            qf[g][d] * k[d];                                                                 \
                         p[g][t] = dot;                                                                       \
-                        block_max = dot > block_max ? dot : block_max;                                       \
+                        block_max[g] = dot > block_max[g] ? dot : block_max[g];                              \
                     }                                                                                        \
-                    const float rescale = exp_nonpositive(run_max[g] - block_max);                           \
+                }                                                                                            \
+                for (int g = 0; g < GROUP; g++) {                                                            \
+                    const float rescale = exp_nonpositive(run_max[g] - block_max[g]);                        \
                     float sum = 0.0f;                                                                        \
                     _Pragma("omp simd reduction(+ : sum)") for (int t = 0; t < n; t++) {                     \
-                        p[g][t] = exp_nonpositive(p[g][t] - block_max);                                      \
+                        p[g][t] = exp_nonpositive(p[g][t] - block_max[g]);                                   \
                         sum += p[g][t];                                                                      \
                     }                                                                                        \
-                    run_max[g] = block_max;                                                                  \
+                    run_max[g] = block_max[g];                                                               \
                     run_sum[g] = run_sum[g] * rescale + sum;                                                 \
                     for (int d = 0; d < HEAD_DIM; d++) acc[g][d] *= rescale;                                 \
                 }                                                                                            \
-                for (int t = 0; t < n; t++)                                                                  \
-                    for (int d = 0; d < HEAD_DIM; d++) row[t][d] = LOAD(vb[t * HEAD_DIM + d]);               \
-                for (int64_t g = 0; g < group; g++)                                                          \
-                    for (int t = 0; t < n; t++)                                                              \
-                        for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p[g][t] * row[t][d];                 \
+                for (int t = 0; t < n; t++) {                                                                \
+                    float v[HEAD_DIM];                                                                       \
+                    for (int d = 0; d < HEAD_DIM; d++) v[d] = LOAD(vb[t * HEAD_DIM + d]);                    \
+                    for (int g = 0; g < GROUP; g++)                                                          \
+                        for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p[g][t] * v[d];                      \
+                }                                                                                            \
             }                                                                                                \
-            for (int64_t g = 0; g < group; g++) {                                                            \
-                T* dst = out + (b * q_heads + h * group + g) * HEAD_DIM;                                     \
+            for (int g = 0; g < GROUP; g++) {                                                                \
+                T* dst = out + (b * q_heads + h * GROUP + g) * HEAD_DIM;                                     \
                 const float inv = 1.0f / run_sum[g];                                                         \
                 for (int d = 0; d < HEAD_DIM; d++) dst[d] = STORE(acc[g][d] * inv);                          \
             }                                                                                                \
