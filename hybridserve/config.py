@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from hybridserve.sampling_params import InvalidParameter
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -32,19 +31,14 @@ class EngineConfig:
     # models restore (default: as many as state slots; 0: none, so no prefix hits for these models).
     num_state_snapshots: int | None = None
     long_prefill_token_threshold: int = 0  # >0: a prefill chunk takes at most this many tokens per step
-    # auto: decode attention on CPU runs a native kernel that reads the paged cache in place (built at
-    # start-up with the system C compiler; stock PyTorch ops if that fails, and on CUDA); torch: stock ops.
-    attention_backend: str = "auto"
+    # On CPU: decode attention and a layer's element-wise chains run as C kernels built at start-up with
+    # the system C compiler (PyTorch ops if that fails, and always on CUDA). False: PyTorch ops only.
+    native_kernels: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidParameter("dtype", f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise InvalidParameter(
-                "attention_backend",
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
-            )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidParameter(name, f"{name} must be positive, got {getattr(self, name)}")

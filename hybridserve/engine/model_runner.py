@@ -18,7 +18,13 @@ from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.engine.structured_output import GrammarBitmask, SequenceGrammar
 from hybridserve.models.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, StateMetadata
 from hybridserve.models.layers.linear import can_pack, pack_linears
-from hybridserve.models.layers.native import KernelUnavailable, PagedDecode, load_paged_decode
+from hybridserve.models.layers.native import (
+    KernelUnavailable,
+    PagedDecode,
+    load_fused_ops,
+    load_paged_decode,
+    use_native_ops,
+)
 from hybridserve.models.layers.rope import RotaryEmbedding
 from hybridserve.models.loader.safetensors import load_state_dict, pack
 from hybridserve.models.registry import load_config, model_class, state_adapter
@@ -123,31 +129,37 @@ class ModelRunner:
         self.kv_caches = [
             next(states) if isinstance(s, LinearStateSpec) else next(paged) for s in self.layout.layer_specs
         ]
-        self.decode_kernel = self._load_decode_kernel(config)
+        self.decode_kernel: PagedDecode | None = None
+        if config.native_kernels and self.device.type == "cpu":
+            self._load_native_kernels()
         self.sampler = Sampler(self.vocab_size)
         self.sampling_states: dict[str, SamplingState] = {}
         self.grammar_bitmask = GrammarBitmask(self.vocab_size)
 
-    def _load_decode_kernel(self, config: EngineConfig) -> PagedDecode | None:
-        """The native decode-attention kernel for this model's attention layers, or None for stock ops."""
+    def _load_native_kernels(self) -> None:
+        """C kernels for this model on CPU: decode attention over its attention layers' cache and the fused
+        element-wise ops. Each falls back to PyTorch ops, with a warning naming why, if it cannot be built."""
+        try:
+            use_native_ops(self.model, load_fused_ops())
+        except KernelUnavailable as exc:
+            logger.warning("element-wise ops stay PyTorch ops: %s", exc)
         specs = {s for s in self.layout.paged_specs if isinstance(s, AttentionSpec)}
-        if config.attention_backend != "auto" or self.device.type != "cpu" or len(specs) != 1:
-            return None
+        if len(specs) != 1:
+            return
         spec = specs.pop()
         heads = self.hf_config.num_attention_heads
         group = heads // (getattr(self.hf_config, "num_key_value_heads", None) or heads)
         try:
-            kernel = load_paged_decode(spec.dtype, spec.head_dim, spec.block_size, group)
+            self.decode_kernel = load_paged_decode(spec.dtype, spec.head_dim, spec.block_size, group)
         except KernelUnavailable as exc:
             logger.warning("decode attention falls back to PyTorch ops: %s", exc)
-            return None
+            return
         logger.info(
             "decode attention: native paged kernel (head_dim %d, %d query heads per KV head, %s)",
             spec.head_dim,
             group,
             spec.dtype,
         )
-        return kernel
 
     def release(self, request_id: str) -> None:
         self.sampling_states.pop(request_id, None)

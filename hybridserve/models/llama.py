@@ -13,6 +13,8 @@ from transformers import PretrainedConfig
 
 from hybridserve.engine.cache.specs import AttentionSpec
 from hybridserve.models.layers.attention import AttentionMetadata, paged_attention
+from hybridserve.models.layers.native import FusedOps
+from hybridserve.models.layers.norm import RMSNorm
 from hybridserve.models.layers.rope import RotaryEmbedding
 
 
@@ -58,9 +60,13 @@ class LlamaMLP(nn.Module):
         mlp_bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=mlp_bias)
+        self.native: FusedOps | None = None  # set by use_native_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native is not None and self.native.supports(gate_up):
+            return self.down_proj(self.native.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -69,19 +75,23 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: torch.Tensor,
         meta: AttentionMetadata,
         rope: RotaryEmbedding,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache, meta, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings for the first layer, with no residual yet);
+        residual: the stream before it. Returns this layer's MLP output and the stream before it."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos_sin, cache, meta, rope), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -89,7 +99,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -116,10 +126,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
         x = self.model.embed_tokens(input_ids)
+        residual = None
         cos_sin = self.rope.cos_sin(positions)
         for layer, cache in zip(self.model.layers, caches, strict=True):
-            x = layer(x, cos_sin, cache, meta, self.rope)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos_sin, cache, meta, self.rope)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits: sampling and logprobs are exact and fast on them whatever the model dtype."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import uvicorn
 
-from hybridserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from hybridserve.config import DTYPES, EngineConfig
 from hybridserve.sampling_params import InvalidParameter
 from hybridserve.serving.openai.responses.store import Retention
 from hybridserve.serving.parsers.reasoning import REASONING_PARSERS
@@ -110,11 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="if >0, a prefill chunk takes at most this many tokens per step",
     )
     serve.add_argument(
-        "--attention-backend",
-        choices=ATTENTION_BACKENDS,
-        default=_DEFAULTS["attention_backend"],
-        help="auto: on CPU, decode attention runs a native kernel built at start-up with the system C "
-        "compiler ($CC, default cc), falling back to PyTorch ops if it cannot be built; torch: PyTorch ops only",
+        "--native-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS["native_kernels"],
+        help="on CPU, run decode attention and fused element-wise ops as C kernels built at start-up with the "
+        "system C compiler ($CC, default cc); PyTorch ops if they cannot be built, and always on CUDA",
     )
     serve.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"], help="tokens per KV-cache block")
     serve.add_argument(
@@ -214,7 +214,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_state_snapshots=args.num_state_snapshots,
         enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        attention_backend=args.attention_backend,
+        native_kernels=args.native_kernels,
         seed=args.seed,
     )
 

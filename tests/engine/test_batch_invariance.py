@@ -95,9 +95,9 @@ def test_n_choices_share_the_prompt_and_seeds_reproduce(smollm2_dir):
     llm.core.check_integrity()
 
 
-def test_pytorch_attention_backend_gives_the_same_tokens(smollm2_dir, reference):
-    """The gather + matmul decode path (CUDA, or no C compiler) agrees with the native kernel used above."""
+def test_pytorch_ops_give_the_same_tokens(smollm2_dir, reference):
+    """PyTorch ops only (as on CUDA, or with no C compiler) give the tokens the native kernels gave above."""
     prompts, alone = reference
-    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", attention_backend="torch")
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", native_kernels=False)
     assert llm.core.runner.decode_kernel is None
     assert _run(llm, prompts) == alone

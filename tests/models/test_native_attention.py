@@ -1,4 +1,4 @@
-"""The native paged decode kernel against a float64 reference, and its fallbacks."""
+"""The native CPU kernels against references computed with PyTorch, and their fallbacks."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.models.layers import native
-from hybridserve.models.layers.native import KernelUnavailable, load_paged_decode
+from hybridserve.models.layers.native import KernelUnavailable, load_fused_ops, load_paged_decode
+from hybridserve.models.layers.norm import RMSNorm
 
 
 def _reference(q, cache, tables, lens, scale):
@@ -95,19 +97,55 @@ def test_failed_build_leaves_no_library(monkeypatch, tmp_path):
 
 def test_build_is_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
-    first = native._build(64, 16, 1)
+    defines = {"HEAD_DIM": 64, "BLOCK_SIZE": 16, "GROUP": 1}
+    first = native._build("paged_decode", defines)
     mtime = first.stat().st_mtime_ns
-    assert native._build(64, 16, 1) == first and first.stat().st_mtime_ns == mtime
+    assert native._build("paged_decode", defines) == first and first.stat().st_mtime_ns == mtime
+    assert first.name.startswith("paged_decode-head_dim64-block_size16-group1-")
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
 
 
 def test_runner_uses_the_kernel_on_cpu_and_falls_back_without_a_compiler(smollm2_dir, monkeypatch, tmp_path, caplog):
     assert ModelRunner(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8), smollm2_dir).decode_kernel
-    config = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8, attention_backend="torch")
+    config = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8, native_kernels=False)
     assert ModelRunner(config, smollm2_dir).decode_kernel is None
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-cc")
     with caplog.at_level(logging.WARNING, logger="hybridserve.engine"):
         runner = ModelRunner(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8), smollm2_dir)
     assert runner.decode_kernel is None
+    assert runner.model.model.norm.native is None and runner.model.model.layers[0].mlp.native is None
     assert "decode attention falls back to PyTorch ops: C compiler 'no-such-cc'" in caplog.text
+    assert "element-wise ops stay PyTorch ops: C compiler 'no-such-cc'" in caplog.text
+
+
+def _one_ulp(dtype: torch.dtype) -> dict[str, float]:
+    """Tolerances of about one rounding step of `dtype` (the kernels sum in a different order)."""
+    return {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 8e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 is past the kernel's threshold for threads
+def test_add_rms_norm_matches_the_pytorch_path(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(576, generator=gen).to(dtype)
+    x, residual = (torch.randn(rows, 576, generator=gen).to(dtype) for _ in range(2))
+    with torch.no_grad():
+        want_h, want_stream = norm(x, residual.clone())
+        want_first, _ = norm(residual.clone())
+        norm.native = load_fused_ops()
+        stream = residual.clone()
+        got_h, got_stream = norm(x, stream)
+        got_first, _ = norm(residual.clone())
+    assert got_stream is stream  # updated in place
+    assert torch.equal(got_stream, want_stream)  # one rounding of the same sum
+    torch.testing.assert_close(got_h, want_h, **_one_ulp(dtype))
+    torch.testing.assert_close(got_first, want_first, **_one_ulp(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_pytorch(dtype):
+    gate_up = (torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(load_fused_ops().silu_mul(gate_up), F.silu(gate) * up, **_one_ulp(dtype))

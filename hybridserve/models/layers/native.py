@@ -2,13 +2,16 @@
 
 Stock PyTorch ops cannot read a paged KV cache in place: decode attention would first gather every
 request's blocks into a dense buffer (a copy as large as the live KV, per layer and step) and then read
-it back. `paged_decode.c` reads the blocks where they are. It is compiled once per
-(source, compiler, CPU, head_dim, block_size, query heads per KV head) with the system C compiler (`$CC`,
-default `cc`) into the cache directory, so later starts only load it (~1 ms); the first build takes about a
-second. Without a working compiler the engine logs why and keeps the PyTorch path, which computes the same attention.
+it back. `paged_decode.c` reads the blocks where they are. `fused_ops.c` does a layer's element-wise
+chains (residual add + RMSNorm, SiLU-and-multiply) in one pass each instead of up to nine small ops.
 
-The library is linked with -fopenmp and loaded into a process where PyTorch already loaded its libgomp,
-so both share one OpenMP runtime and thread count (`torch.set_num_threads` applies to the kernel too).
+Each source is compiled once per (source, compiler, CPU, compile-time shape) with the system C compiler
+(`$CC`, default `cc`) into the cache directory, so later starts only load it (~1 ms); a first build takes
+about a second. Without a working compiler the engine logs why and keeps the PyTorch ops, which compute
+the same thing.
+
+The libraries are linked with -fopenmp and loaded into a process where PyTorch already loaded its libgomp,
+so all share one OpenMP runtime and thread count (`torch.set_num_threads` applies to the kernels too).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,11 +34,10 @@ from hybridserve.paths import cache_dir
 
 logger = logging.getLogger("hybridserve.engine")
 
-_SOURCE = Path(__file__).with_name("paged_decode.c")
+_HERE = Path(__file__).parent
 _FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared")
-_ENTRY_POINTS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_ARGTYPES = [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _F]
 
 
 class KernelUnavailable(RuntimeError):
@@ -47,9 +50,9 @@ class PagedDecode:
 
     def __init__(self, library: Path, dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> None:
         self.dtype, self.head_dim, self.block_size, self.group = dtype, head_dim, block_size, group
-        self._fn = getattr(ctypes.CDLL(str(library)), _ENTRY_POINTS[dtype])
-        self._fn.argtypes = _ARGTYPES
-        self._fn.restype = None
+        self._fn = _function(
+            library, f"paged_decode_{_DTYPES[dtype]}", [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _F]
+        )
 
     def __call__(
         self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
@@ -83,25 +86,82 @@ class PagedDecode:
         return out
 
 
+class FusedOps:
+    """A decoder layer's element-wise chains in one pass each, for bfloat16 and float32 rows."""
+
+    def __init__(self, library: Path) -> None:
+        self._add_rms_norm = {
+            dtype: _function(library, f"add_rms_norm_{name}", [_P, _P, _P, _P, _I, _I, _F])
+            for dtype, name in _DTYPES.items()
+        }
+        self._silu_mul = {
+            dtype: _function(library, f"silu_mul_{name}", [_P, _P, _I, _I]) for dtype, name in _DTYPES.items()
+        }
+
+    def supports(self, x: torch.Tensor) -> bool:
+        return x.dtype in _DTYPES and x.device.type == "cpu" and x.is_contiguous()
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += delta in place (skipped when delta is None); returns RMSNorm(residual) * weight.
+        All [rows, dim] contiguous tensors of one dtype."""
+        rows, dim = residual.shape
+        out = torch.empty_like(residual)
+        self._add_rms_norm[residual.dtype](
+            residual.data_ptr(),
+            0 if delta is None else delta.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            dim,
+            eps,
+        )
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [rows, 2 * dim] contiguous, gate first. Returns silu(gate) * up, [rows, dim]."""
+        rows, width = gate_up.shape
+        out = gate_up.new_empty((rows, width // 2))
+        self._silu_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+
 def load_paged_decode(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> PagedDecode:
     """The kernel for these shapes (`group`: query heads per KV head), built on first use. Raises
     KernelUnavailable naming the reason."""
-    if dtype not in _ENTRY_POINTS:
+    if dtype not in _DTYPES:
         raise KernelUnavailable(f"no native paged-decode kernel for dtype {dtype} (only bfloat16 and float32)")
-    return PagedDecode(_build(head_dim, block_size, group), dtype, head_dim, block_size, group)
+    library = _build("paged_decode", {"HEAD_DIM": head_dim, "BLOCK_SIZE": block_size, "GROUP": group})
+    return PagedDecode(library, dtype, head_dim, block_size, group)
 
 
-def _build(head_dim: int, block_size: int, group: int) -> Path:
+def load_fused_ops() -> FusedOps:
+    """The fused element-wise ops, built on first use. Raises KernelUnavailable naming the reason."""
+    return FusedOps(_build("fused_ops", {}))
+
+
+def _function(library: Path, name: str, argtypes: list[type]) -> Callable[..., None]:
+    fn = getattr(ctypes.CDLL(str(library)), name)
+    fn.argtypes = argtypes
+    fn.restype = None
+    return fn
+
+
+def _build(name: str, defines: dict[str, int]) -> Path:
+    """`<name>.c` compiled with `defines` for this host, from the cache when it is there."""
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise KernelUnavailable(f"C compiler {compiler!r} (from $CC, default cc) not found")
-    defines = (f"-DHEAD_DIM={head_dim}", f"-DBLOCK_SIZE={block_size}", f"-DGROUP={group}")
-    source = _SOURCE.read_bytes()
+    source_path = _HERE / f"{name}.c"
+    flags = _FLAGS + tuple(f"-D{k}={v}" for k, v in defines.items())
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(_FLAGS + defines).encode(), _compiler_version(compiler), _cpu_identity().encode()])
+        b"\0".join(
+            [source_path.read_bytes(), " ".join(flags).encode(), _compiler_version(compiler), _cpu_identity().encode()]
+        )
     ).hexdigest()[:16]
     root = cache_dir("kernels")
-    library = root / f"paged_decode-d{head_dim}-b{block_size}-g{group}-{key}.so"
+    library = root / "-".join([name, *(f"{k.lower()}{v}" for k, v in defines.items()), f"{key}.so"])
     if library.is_file():
         return library
     root.mkdir(parents=True, exist_ok=True)
@@ -110,10 +170,10 @@ def _build(head_dim: int, block_size: int, group: int) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *_FLAGS, *defines, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=False
+            [compiler, *flags, str(source_path), "-o", tmp, "-lm"], capture_output=True, text=True, check=False
         )
         if result.returncode != 0:
-            raise KernelUnavailable(f"{compiler} failed to build {_SOURCE.name}: {result.stderr.strip()[-2000:]}")
+            raise KernelUnavailable(f"{compiler} failed to build {source_path.name}: {result.stderr.strip()[-2000:]}")
         os.replace(tmp, library)  # atomic: a concurrent start sees the old state or a whole library
     finally:
         if os.path.exists(tmp):
@@ -138,3 +198,10 @@ def _cpu_identity() -> str:
     except OSError:
         pass
     return f"{platform.machine()}\0{flags}"
+
+
+def use_native_ops(model: torch.nn.Module, ops: FusedOps) -> None:
+    """Hand `ops` to every module of `model` that can use them (those with a `native` attribute)."""
+    for module in model.modules():
+        if hasattr(module, "native"):
+            module.native = ops
