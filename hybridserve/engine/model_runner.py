@@ -20,9 +20,9 @@ from hybridserve.models.layers.attention import AttentionMetadata, DecodeGroup, 
 from hybridserve.models.layers.linear import can_pack, pack_linears
 from hybridserve.models.layers.native import (
     KernelUnavailable,
-    PagedDecode,
+    PagedAttention,
     load_fused_ops,
-    load_paged_decode,
+    load_paged_attention,
     use_native_ops,
 )
 from hybridserve.models.layers.rope import RotaryEmbedding
@@ -129,7 +129,7 @@ class ModelRunner:
         self.kv_caches = [
             next(states) if isinstance(s, LinearStateSpec) else next(paged) for s in self.layout.layer_specs
         ]
-        self.decode_kernel: PagedDecode | None = None
+        self.attention_kernels: PagedAttention | None = None
         if config.native_kernels and self.device.type == "cpu":
             self._load_native_kernels()
         self.sampler = Sampler(self.vocab_size)
@@ -137,8 +137,9 @@ class ModelRunner:
         self.grammar_bitmask = GrammarBitmask(self.vocab_size)
 
     def _load_native_kernels(self) -> None:
-        """C kernels for this model on CPU: decode attention over its attention layers' cache and the fused
-        element-wise ops. Each falls back to PyTorch ops, with a warning naming why, if it cannot be built."""
+        """C kernels for this model on CPU: paged attention (decode, rotary + cache write) for its attention
+        layers and the fused element-wise ops. Each falls back to PyTorch ops, with a warning naming why, if
+        it cannot be built."""
         try:
             use_native_ops(self.model, load_fused_ops())
         except KernelUnavailable as exc:
@@ -150,12 +151,12 @@ class ModelRunner:
         heads = self.hf_config.num_attention_heads
         group = heads // (getattr(self.hf_config, "num_key_value_heads", None) or heads)
         try:
-            self.decode_kernel = load_paged_decode(spec.dtype, spec.head_dim, spec.block_size, group)
+            self.attention_kernels = load_paged_attention(spec.dtype, spec.head_dim, spec.block_size, group)
         except KernelUnavailable as exc:
-            logger.warning("decode attention falls back to PyTorch ops: %s", exc)
+            logger.warning("paged attention falls back to PyTorch ops: %s", exc)
             return
         logger.info(
-            "decode attention: native paged kernel (head_dim %d, %d query heads per KV head, %s)",
+            "paged attention: native kernels (head_dim %d, %d query heads per KV head, %s)",
             spec.head_dim,
             group,
             spec.dtype,
@@ -212,7 +213,7 @@ class ModelRunner:
         if state_slots is not None:
             decode_slots = torch.tensor(decode_states, device=dev) if decode_states else None
             states = StateMetadata(decode_slots, prefill_states)
-        return AttentionMetadata(torch.tensor(slots, device=dev), decode, prefills, states, self.decode_kernel)
+        return AttentionMetadata(torch.tensor(slots, device=dev), decode, prefills, states, self.attention_kernels)
 
     @torch.inference_mode()
     def execute(

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from hybridserve.engine.cache.specs import AttentionSpec
-from hybridserve.models.layers.attention import AttentionMetadata, paged_attention
+from hybridserve.models.layers.attention import AttentionMetadata, paged_attention, rope_and_cache
 from hybridserve.models.layers.native import FusedOps
 from hybridserve.models.layers.norm import RMSNorm
 from hybridserve.models.layers.rope import RotaryEmbedding
@@ -42,15 +42,14 @@ class LlamaAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: torch.Tensor,
         meta: AttentionMetadata,
-        rope: RotaryEmbedding,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk, v = qkv[:, : self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads :]
         if self.qk_norm:
-            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
-        qk = rope.apply(qk, cos_sin)  # queries and keys rotated in one go
-        o = paged_attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v, cache, meta, self.scale)
+            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : self.num_heads + self.num_kv_heads]
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), qkv[:, self.num_heads + self.num_kv_heads :]), dim=1)
+        q, k, v = rope_and_cache(qkv, self.num_heads, cos_sin, cache, meta)
+        o = paged_attention(q, k, v, cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -85,12 +84,11 @@ class LlamaDecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: torch.Tensor,
         meta: AttentionMetadata,
-        rope: RotaryEmbedding,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embeddings for the first layer, with no residual yet);
         residual: the stream before it. Returns this layer's MLP output and the stream before it."""
         h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, cos_sin, cache, meta, rope), residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos_sin, cache, meta), residual)
         return self.mlp(h), residual
 
 
@@ -129,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         cos_sin = self.rope.cos_sin(positions)
         for layer, cache in zip(self.model.layers, caches, strict=True):
-            x, residual = layer(x, residual, cos_sin, cache, meta, self.rope)
+            x, residual = layer(x, residual, cos_sin, cache, meta)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -99,5 +99,5 @@ def test_pytorch_ops_give_the_same_tokens(smollm2_dir, reference):
     """PyTorch ops only (as on CUDA, or with no C compiler) give the tokens the native kernels gave above."""
     prompts, alone = reference
     llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", native_kernels=False)
-    assert llm.core.runner.decode_kernel is None
+    assert llm.core.runner.attention_kernels is None
     assert _run(llm, prompts) == alone

@@ -7,12 +7,15 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import PretrainedConfig
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.models.layers import native
-from hybridserve.models.layers.native import KernelUnavailable, load_fused_ops, load_paged_decode
+from hybridserve.models.layers.attention import AttentionMetadata, rope_and_cache
+from hybridserve.models.layers.native import KernelUnavailable, load_fused_ops, load_paged_attention
 from hybridserve.models.layers.norm import RMSNorm
+from hybridserve.models.layers.rope import RotaryEmbedding
 
 
 def _reference(q, cache, tables, lens, scale):
@@ -50,8 +53,8 @@ def test_kernel_matches_float64_reference(q_heads, kv_heads, head_dim, block_siz
     # Queries as the model hands them over: the head rows of a wider projection, strided between tokens.
     qkv = torch.randn(len(lens), q_heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
     q = qkv[:, :q_heads]
-    kernel = load_paged_decode(dtype, head_dim, block_size, q_heads // kv_heads)
-    out = kernel(q, cache, tables, lens, head_dim**-0.5)
+    kernel = load_paged_attention(dtype, head_dim, block_size, q_heads // kv_heads)
+    out = kernel.decode(q, cache, tables, lens, head_dim**-0.5)
     ref = _reference(q, cache, tables, lens, head_dim**-0.5)
     assert out.dtype == dtype and out.shape == (len(lens), q_heads, head_dim)
     if dtype == torch.float32:
@@ -60,62 +63,86 @@ def test_kernel_matches_float64_reference(q_heads, kv_heads, head_dim, block_siz
         torch.testing.assert_close(out.double(), ref.to(dtype).double(), atol=1e-2, rtol=8e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_cache_write_match_the_pytorch_path(dtype):
+    """The fused rotary + cache write leaves the same queries, keys, values and cache as the stock ops."""
+    config = PretrainedConfig(max_position_embeddings=512, rope_theta=10000.0)
+    rope = RotaryEmbedding(config, 64)
+    rope.to(dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    tokens, q_heads, kv_heads, num_blocks = 70, 9, 3, 12  # 70 tokens: past the kernel's threshold for threads
+    qkv = torch.randn(tokens, q_heads + 2 * kv_heads, 64, generator=gen).to(dtype)
+    cos_sin = rope.cos_sin(torch.randint(0, 512, (tokens,), generator=gen))
+    slots = torch.randperm(num_blocks * 16, generator=gen)[:tokens]
+    results = []
+    for kernels in (None, load_paged_attention(dtype, 64, 16, 3)):
+        cache = torch.zeros(2, kv_heads, num_blocks, 16, 64, dtype=dtype)
+        meta = AttentionMetadata(slots, None, [], kernels=kernels)
+        q, k, v = rope_and_cache(qkv.clone(), q_heads, cos_sin, cache, meta)
+        results.append((q, k, v, cache))
+    for want, got in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(got, want, **_one_ulp(dtype))
+    assert torch.equal(results[1][3].view(2, kv_heads, -1, 64)[1][:, slots].transpose(0, 1), qkv[:, q_heads + 3 :])
+
+
 def test_a_single_visible_key_returns_its_value():
     cache = torch.zeros(2, 1, 4, 16, 64)
     cache[1, 0, 2, 0] = torch.arange(64.0)
-    out = load_paged_decode(torch.float32, 64, 16, 1)(
+    out = load_paged_attention(torch.float32, 64, 16, 1).decode(
         torch.randn(1, 1, 64), cache, torch.tensor([[2]]), torch.tensor([1]), 0.125
     )
     assert torch.equal(out[0, 0], torch.arange(64.0))
 
 
 def test_shapes_it_was_not_built_for_are_refused():
-    kernel = load_paged_decode(torch.float32, 64, 16, 3)
+    kernel = load_paged_attention(torch.float32, 64, 16, 3)
     with pytest.raises(ValueError, match=r"kernel built for head_dim 64, block_size 16, 3 query heads per KV head"):
-        kernel(torch.randn(1, 4, 64), torch.zeros(2, 1, 4, 16, 64), torch.tensor([[0]]), torch.tensor([1]), 0.125)
+        kernel.decode(
+            torch.randn(1, 4, 64), torch.zeros(2, 1, 4, 16, 64), torch.tensor([[0]]), torch.tensor([1]), 0.125
+        )
 
 
 def test_no_kernel_for_float16():
-    with pytest.raises(KernelUnavailable, match=r"dtype torch.float16"):
-        load_paged_decode(torch.float16, 64, 16, 1)
+    with pytest.raises(KernelUnavailable, match=r"no native paged-attention kernels for dtype torch.float16"):
+        load_paged_attention(torch.float16, 64, 16, 1)
 
 
 def test_missing_compiler_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-cc")
     with pytest.raises(KernelUnavailable, match=r"C compiler 'no-such-cc' \(from \$CC, default cc\) not found"):
-        load_paged_decode(torch.float32, 64, 16, 1)
+        load_paged_attention(torch.float32, 64, 16, 1)
 
 
 def test_failed_build_leaves_no_library(monkeypatch, tmp_path):
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # runs, prints nothing, exits 1
-    with pytest.raises(KernelUnavailable, match=r"false failed to build paged_decode.c"):
-        load_paged_decode(torch.float32, 64, 16, 1)
+    with pytest.raises(KernelUnavailable, match=r"false failed to build paged_attention.c"):
+        load_paged_attention(torch.float32, 64, 16, 1)
     assert list((tmp_path / "kernels").iterdir()) == []
 
 
 def test_build_is_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
     defines = {"HEAD_DIM": 64, "BLOCK_SIZE": 16, "GROUP": 1}
-    first = native._build("paged_decode", defines)
+    first = native._build("paged_attention", defines)
     mtime = first.stat().st_mtime_ns
-    assert native._build("paged_decode", defines) == first and first.stat().st_mtime_ns == mtime
-    assert first.name.startswith("paged_decode-head_dim64-block_size16-group1-")
+    assert native._build("paged_attention", defines) == first and first.stat().st_mtime_ns == mtime
+    assert first.name.startswith("paged_attention-head_dim64-block_size16-group1-")
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
 
 
 def test_runner_uses_the_kernel_on_cpu_and_falls_back_without_a_compiler(smollm2_dir, monkeypatch, tmp_path, caplog):
-    assert ModelRunner(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8), smollm2_dir).decode_kernel
+    assert ModelRunner(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8), smollm2_dir).attention_kernels
     config = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8, native_kernels=False)
-    assert ModelRunner(config, smollm2_dir).decode_kernel is None
+    assert ModelRunner(config, smollm2_dir).attention_kernels is None
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-cc")
     with caplog.at_level(logging.WARNING, logger="hybridserve.engine"):
         runner = ModelRunner(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8), smollm2_dir)
-    assert runner.decode_kernel is None
+    assert runner.attention_kernels is None
     assert runner.model.model.norm.native is None and runner.model.model.layers[0].mlp.native is None
-    assert "decode attention falls back to PyTorch ops: C compiler 'no-such-cc'" in caplog.text
+    assert "paged attention falls back to PyTorch ops: C compiler 'no-such-cc'" in caplog.text
     assert "element-wise ops stay PyTorch ops: C compiler 'no-such-cc'" in caplog.text
 
 

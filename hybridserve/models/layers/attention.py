@@ -5,8 +5,9 @@ written into the paged cache first; then each request's queries attend to its ca
 with one new token (decodes) are attended to together in one batched call; a multi-token chunk
 (prefill) gets its own call, attending straight to its fresh keys when it has no cached context.
 
-Decodes use the native kernel (native.py) when the model runner loaded one: it reads the blocks in place.
-Otherwise they are gathered into a dense buffer and attended to with stock matmuls (CUDA, or no compiler).
+With native kernels (native.py, loaded by the model runner on CPU) decodes read the blocks in place, and
+the layer rotates queries and keys and writes the cache in the same pass (`rope_and_cache`). Otherwise
+decodes gather their blocks into a dense buffer for stock matmuls (CUDA, or no compiler).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hybridserve.models.layers.native import PagedDecode
+from hybridserve.models.layers.native import PagedAttention
+from hybridserve.models.layers.rope import RotaryEmbedding
 
 
 @dataclass
@@ -53,7 +55,7 @@ class AttentionMetadata:
     decode: DecodeGroup | None
     prefills: list[PrefillChunk]
     states: StateMetadata | None = None  # only for models with linear-attention layers
-    decode_kernel: PagedDecode | None = None  # reads the paged cache in place (CPU); else gather + matmul
+    kernels: PagedAttention | None = None  # native kernels (CPU); None: stock PyTorch ops
     # Gather buffers reused by every layer of the step (layers of one kind share a shape): allocating
     # megabytes per layer costs more than the gather itself on CPU.
     workspace: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
@@ -119,17 +121,36 @@ def _decode_group(
     q: torch.Tensor, cache: torch.Tensor, d: DecodeGroup, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """q: [B, Hq, D], one query per request of the decode group. Returns [B, Hq, D]."""
-    if meta.decode_kernel is not None:
-        return meta.decode_kernel(q, cache, d.block_tables, d.context_lens, scale)
+    if meta.kernels is not None:
+        return meta.kernels.decode(q, cache, d.block_tables, d.context_lens, scale)
     kc, vc = _gather(cache, d.flat_tables, d.block_tables.shape[0], meta.workspace)
     return _decode(q, kc, vc, d.bias, scale)
+
+
+def rope_and_cache(
+    qkv: torch.Tensor,
+    num_heads: int,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv: [T, Hq + 2 * Hkv, D], queries, keys, values. Rotates queries and keys, writes keys and values
+    into the cache; returns q [T, Hq, D], k and v [T, Hkv, D], ready for paged_attention."""
+    num_kv = (qkv.shape[1] - num_heads) // 2
+    if meta.kernels is not None:
+        meta.kernels.rope_write_kv(qkv, num_heads, cos_sin, cache, meta.slot_mapping)
+        return qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv], qkv[:, num_heads + num_kv :]
+    qk = RotaryEmbedding.apply(qkv[:, : num_heads + num_kv], cos_sin)  # queries and keys rotated in one go
+    k, v = qk[:, num_heads:], qkv[:, num_heads + num_kv :]
+    write_kv(cache, k, v, meta.slot_mapping)
+    return qk[:, :num_heads], k, v
 
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the step's new tokens. Returns [T, Hq, D]."""
-    write_kv(cache, k, v, meta.slot_mapping)
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the step's new tokens, already in the cache (rope_and_cache).
+    Returns [T, Hq, D]."""
     d = meta.decode
     if d is not None and not meta.prefills:  # decodes only (the steady state): no scatter needed
         return _decode_group(q, cache, d, meta, scale)

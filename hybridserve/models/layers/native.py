@@ -2,7 +2,8 @@
 
 Stock PyTorch ops cannot read a paged KV cache in place: decode attention would first gather every
 request's blocks into a dense buffer (a copy as large as the live KV, per layer and step) and then read
-it back. `paged_decode.c` reads the blocks where they are. `fused_ops.c` does a layer's element-wise
+it back. `paged_attention.c` reads the blocks where they are, and rotates a step's queries and keys while
+writing its keys and values into the cache. `fused_ops.c` does a layer's element-wise
 chains (residual add + RMSNorm, SiLU-and-multiply) in one pass each instead of up to nine small ops.
 
 Each source is compiled once per (source, compiler, CPU, compile-time shape) with the system C compiler
@@ -44,32 +45,35 @@ class KernelUnavailable(RuntimeError):
     """The kernel cannot be built or loaded here; the message says why."""
 
 
-class PagedDecode:
-    """Decode attention over a paged cache for one (dtype, head_dim, block_size, query heads per KV head),
-    reading blocks in place."""
+class PagedAttention:
+    """Paged-cache kernels for one (dtype, head_dim, block_size, query heads per KV head)."""
 
     def __init__(self, library: Path, dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> None:
         self.dtype, self.head_dim, self.block_size, self.group = dtype, head_dim, block_size, group
-        self._fn = _function(
-            library, f"paged_decode_{_DTYPES[dtype]}", [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _F]
-        )
+        name = _DTYPES[dtype]
+        self._decode = _function(library, f"paged_decode_{name}", [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _F])
+        self._rope_write_kv = _function(library, f"rope_write_kv_{name}", [_P, _I, _I, _I, _I, _P, _P, _P, _I, _P])
 
-    def __call__(
-        self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """q: [B, Hq, D], rows may be strided (a slice of a wider projection) but each row contiguous;
-        cache: [2, Hkv, num_blocks, block_size, D] contiguous; block_tables: [B, W] int64 contiguous;
-        context_lens: [B] int64, tokens each query attends to. Returns [B, Hq, D]."""
-        b, hq, d = q.shape
-        if hq != self.group * cache.shape[1] or d != self.head_dim or cache.shape[3] != self.block_size:
+    def _check(self, q_heads: int, cache: torch.Tensor) -> None:
+        if q_heads != self.group * cache.shape[1] or cache.shape[3:] != (self.block_size, self.head_dim):
             raise ValueError(
                 f"kernel built for head_dim {self.head_dim}, block_size {self.block_size}, {self.group} query "
-                f"heads per KV head; got q {tuple(q.shape)} and cache {tuple(cache.shape)}"
+                f"heads per KV head; got {q_heads} query heads and cache {tuple(cache.shape)}"
             )
+
+    def decode(
+        self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """One query per request, over its cached keys. q: [B, Hq, D], rows may be strided (a slice of a
+        wider projection) but each row contiguous; cache: [2, Hkv, num_blocks, block_size, D] contiguous;
+        block_tables: [B, W] int64 contiguous; context_lens: [B] int64, keys each query sees. Returns
+        [B, Hq, D]."""
+        b, hq, d = q.shape
+        self._check(hq, cache)
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
         out = torch.empty((b, hq, d), dtype=q.dtype)
-        self._fn(
+        self._decode(
             q.data_ptr(),
             q.stride(0),
             cache.data_ptr(),
@@ -84,6 +88,37 @@ class PagedDecode:
             scale,
         )
         return out
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        q_heads: int,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Rotate queries and keys of qkv ([T, Hq + 2 * Hkv, D], each token's heads contiguous) in place
+        and write keys and values to their cache slots ([T] int64). cos_sin: rope.py's tables, [T, 1, D]."""
+        t, heads, d = qkv.shape
+        self._check(q_heads, cache)
+        if qkv.stride(2) != 1 or qkv.stride(1) != d or heads != q_heads + 2 * cache.shape[1]:
+            raise ValueError(
+                f"qkv must hold {q_heads} query heads then keys and values, rows contiguous; got "
+                f"shape {tuple(qkv.shape)}, strides {qkv.stride()}"
+            )
+        cos, sin = cos_sin
+        self._rope_write_kv(
+            qkv.data_ptr(),
+            t,
+            qkv.stride(0),
+            q_heads,
+            cache.shape[1],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cache.data_ptr(),
+            cache.shape[2],
+            slots.data_ptr(),
+        )
 
 
 class FusedOps:
@@ -127,13 +162,13 @@ class FusedOps:
         return out
 
 
-def load_paged_decode(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> PagedDecode:
-    """The kernel for these shapes (`group`: query heads per KV head), built on first use. Raises
+def load_paged_attention(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> PagedAttention:
+    """The kernels for these shapes (`group`: query heads per KV head), built on first use. Raises
     KernelUnavailable naming the reason."""
     if dtype not in _DTYPES:
-        raise KernelUnavailable(f"no native paged-decode kernel for dtype {dtype} (only bfloat16 and float32)")
-    library = _build("paged_decode", {"HEAD_DIM": head_dim, "BLOCK_SIZE": block_size, "GROUP": group})
-    return PagedDecode(library, dtype, head_dim, block_size, group)
+        raise KernelUnavailable(f"no native paged-attention kernels for dtype {dtype} (only bfloat16 and float32)")
+    library = _build("paged_attention", {"HEAD_DIM": head_dim, "BLOCK_SIZE": block_size, "GROUP": group})
+    return PagedAttention(library, dtype, head_dim, block_size, group)
 
 
 def load_fused_ops() -> FusedOps:

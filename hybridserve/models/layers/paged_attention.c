@@ -1,7 +1,8 @@
-/* Decode attention that reads the paged KV cache in place (CPU).
+/* Paged attention kernels for CPU: decode attention that reads the paged KV cache in place, and the
+ * rotary embedding of a step's queries and keys fused with writing its keys and values into the cache.
  *
- * One query token per request; each (request, KV head) pair is one work item, spread over the OpenMP
- * threads that PyTorch itself uses (the process has a single libgomp). The item walks its request's
+ * Decode: one query token per request; each (request, KV head) pair is one work item, spread over the
+ * OpenMP threads that PyTorch itself uses (the process has a single libgomp). The item walks its request's
  * blocks once, keeping a running max and sum per query head (online softmax), so no key or value is
  * copied out of the cache and nothing is materialised per token. Everything is accumulated in float32.
  * While a block is read the next one is prefetched: blocks are scattered, so the hardware cannot guess.
@@ -14,6 +15,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #ifndef HEAD_DIM
 #error "compile with -DHEAD_DIM=<head dimension>"
@@ -47,6 +49,8 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as PyT
 }
 
 static inline float as_float(float x) { return x; }
+static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+static inline float identity(float x) { return x; }
 
 /* exp(x) for x <= 0 in plain arithmetic, so that loops over it vectorise on any target (a libm call
  * would not). Relative error about 2e-7. Inputs below -87, -inf included, give about 1e-38 instead of 0,
@@ -137,5 +141,34 @@ static inline float exp_nonpositive(float x) {
         }                                                                                                    \
     }
 
+/* qkv: [tokens, q_heads + 2 * kv_heads, HEAD_DIM] with `token_stride` elements between tokens, queries then
+ * keys then values. Queries and keys are rotated in place (Hugging Face's rotate-half layout; cos and sin:
+ * [tokens, HEAD_DIM], the sign of the first half folded into sin, as in rope.py) with PyTorch's roundings,
+ * x * cos rounded, then + rolled x * sin rounded; then each token's keys and values are copied to its cache
+ * slot (block * BLOCK_SIZE + offset). */
+#define DEFINE_ROPE_WRITE_KV(NAME, T, LOAD, STORE, ROUND)                                                    \
+    void NAME(T* qkv, int64_t tokens, int64_t token_stride, int64_t q_heads, int64_t kv_heads, const T* cos, \
+              const T* sin, T* cache, int64_t num_blocks, const int64_t* slots) {                            \
+        const int64_t head_stride = num_blocks * BLOCK_SIZE * HEAD_DIM;                                      \
+        _Pragma("omp parallel for if (tokens >= 64)") for (int64_t t = 0; t < tokens; t++) {                 \
+            T* row = qkv + t * token_stride;                                                                 \
+            const T* c = cos + t * HEAD_DIM;                                                                 \
+            const T* s = sin + t * HEAD_DIM;                                                                 \
+            for (int64_t head = 0; head < q_heads + kv_heads; head++) {                                      \
+                T* x = row + head * HEAD_DIM;                                                                \
+                float xf[HEAD_DIM];                                                                          \
+                for (int d = 0; d < HEAD_DIM; d++) xf[d] = LOAD(x[d]);                                       \
+                for (int d = 0; d < HEAD_DIM; d++)                                                           \
+                    x[d] = STORE(ROUND(xf[d] * LOAD(c[d])) + xf[(d + HEAD_DIM / 2) % HEAD_DIM] * LOAD(s[d]));  \
+            }                                                                                                \
+            const int64_t slot = slots[t];                                                                   \
+            for (int64_t h = 0; h < 2 * kv_heads; h++) /* K heads, then V heads */                           \
+                memcpy(cache + h * head_stride + slot * HEAD_DIM, row + (q_heads + h) * HEAD_DIM,             \
+                       HEAD_DIM * sizeof(T));                                                                \
+        }                                                                                                    \
+    }
+
 DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_float, float_to_bf16)
 DEFINE_PAGED_DECODE(paged_decode_f32, float, as_float, as_float)
+DEFINE_ROPE_WRITE_KV(rope_write_kv_bf16, uint16_t, bf16_to_float, float_to_bf16, round_bf16)
+DEFINE_ROPE_WRITE_KV(rope_write_kv_f32, float, as_float, as_float, identity)
