@@ -9,41 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 
-typedef union {
-    uint32_t u;
-    float f;
-} bits32;
-
-static inline float bf16_to_float(uint16_t x) {
-    bits32 b;
-    b.u = (uint32_t)x << 16;
-    return b.f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as PyTorch does */
-    bits32 b;
-    b.f = f;
-    if ((b.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
-static inline float as_float(float x) { return x; }
-static inline float identity(float x) { return x; }
-
-/* exp(x) in plain arithmetic so that loops over it vectorise; x is clamped to [-87, 88]. Relative error
- * about 2e-7. */
-static inline float exp_clamped(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
-    const float r = x - k * 0.693145752f - k * 1.42860677e-6f;      /* x - k ln 2, in two parts */
-    const float p =
-        1.0f + r * (1.0f + r * (0.5f + r * (1.66666672e-1f + r * (4.16666679e-2f + r * (8.33333377e-3f +
-                                                                                          r * 1.38888892e-3f)))));
-    bits32 scale;
-    scale.u = (uint32_t)((int32_t)k + 127) << 23; /* 2^k */
-    return p * scale.f;
-}
+#include "cpu_math.h"
 
 /* Enough elements that waking the other threads pays off. */
 #define PARALLEL_MIN_ELEMENTS 65536
@@ -78,12 +44,12 @@ static inline float exp_clamped(float x) {
             T* y = out + r * dim;                                                                            \
             for (int64_t i = 0; i < dim; i++) {                                                              \
                 const float g = LOAD(gate[i]);                                                               \
-                y[i] = STORE(ROUND(g / (1.0f + exp_clamped(-g))) * LOAD(up[i]));                             \
+                y[i] = STORE(ROUND(g / (1.0f + exp_approx(-g))) * LOAD(up[i]));                             \
             }                                                                                                \
         }                                                                                                    \
     }
 
 DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_float, float_to_bf16, round_bf16)
-DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, as_float, as_float, identity)
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, identity, identity, identity)
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_float, float_to_bf16, round_bf16)
-DEFINE_SILU_MUL(silu_mul_f32, float, as_float, as_float, identity)
+DEFINE_SILU_MUL(silu_mul_f32, float, identity, identity, identity)

@@ -3,13 +3,13 @@
 Stock PyTorch ops cannot read a paged KV cache in place: decode attention would first gather every
 request's blocks into a dense buffer (a copy as large as the live KV, per layer and step) and then read
 it back. `paged_attention.c` reads the blocks where they are, and rotates a step's queries and keys while
-writing its keys and values into the cache. `fused_ops.c` does a layer's element-wise
-chains (residual add + RMSNorm, SiLU-and-multiply) in one pass each instead of up to nine small ops.
+writing its keys and values into the cache. `fused_ops.c` does a layer's element-wise chains (residual
+add + RMSNorm, SiLU-and-multiply) in one pass each instead of up to nine small ops.
 
-Each source is compiled once per (source, compiler, CPU, compile-time shape) with the system C compiler
-(`$CC`, default `cc`) into the cache directory, so later starts only load it (~1 ms); a first build takes
-about a second. Without a working compiler the engine logs why and keeps the PyTorch ops, which compute
-the same thing.
+Each source is compiled once per (source and the shared cpu_math.h, compiler, CPU, compile-time shape)
+with the system C compiler (`$CC`, default `cc`) into the cache directory, so later starts only load it
+(~1 ms); a first build takes well under a second. Without a working compiler the engine logs why and
+keeps the PyTorch ops, which compute the same thing.
 
 The libraries are linked with -fopenmp and loaded into a process where PyTorch already loaded its libgomp,
 so all share one OpenMP runtime and thread count (`torch.set_num_threads` applies to the kernels too).
@@ -190,10 +190,9 @@ def _build(name: str, defines: dict[str, int]) -> Path:
         raise KernelUnavailable(f"C compiler {compiler!r} (from $CC, default cc) not found")
     source_path = _HERE / f"{name}.c"
     flags = _FLAGS + tuple(f"-D{k}={v}" for k, v in defines.items())
+    sources = [source_path.read_bytes(), *(h.read_bytes() for h in sorted(_HERE.glob("*.h")))]
     key = hashlib.sha256(
-        b"\0".join(
-            [source_path.read_bytes(), " ".join(flags).encode(), _compiler_version(compiler), _cpu_identity().encode()]
-        )
+        b"\0".join([*sources, " ".join(flags).encode(), _compiler_version(compiler), _cpu_identity().encode()])
     ).hexdigest()[:16]
     root = cache_dir("kernels")
     library = root / "-".join([name, *(f"{k.lower()}{v}" for k, v in defines.items()), f"{key}.so"])

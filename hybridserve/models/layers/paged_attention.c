@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 #ifndef HEAD_DIM
 #error "compile with -DHEAD_DIM=<head dimension>"
 #endif
@@ -29,44 +31,6 @@
 
 #define CACHE_LINE 64
 #define ROW_BYTES(T) ((int)(HEAD_DIM * sizeof(T)))
-
-typedef union {
-    uint32_t u;
-    float f;
-} bits32;
-
-static inline float bf16_to_float(uint16_t x) {
-    bits32 b;
-    b.u = (uint32_t)x << 16;
-    return b.f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as PyTorch does */
-    bits32 b;
-    b.f = f;
-    if ((b.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
-    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
-}
-
-static inline float as_float(float x) { return x; }
-static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
-static inline float identity(float x) { return x; }
-
-/* exp(x) for x <= 0 in plain arithmetic, so that loops over it vectorise on any target (a libm call
- * would not). Relative error about 2e-7. Inputs below -87, -inf included, give about 1e-38 instead of 0,
- * which is harmless here: they only ever scale sums that are still zero. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
-    const float r = x - k * 0.693145752f - k * 1.42860677e-6f;      /* x - k ln 2, in two parts */
-    const float p =
-        1.0f + r * (1.0f + r * (0.5f + r * (1.66666672e-1f + r * (4.16666679e-2f + r * (8.33333377e-3f +
-                                                                                          r * 1.38888892e-3f)))));
-    bits32 scale;
-    scale.u = (uint32_t)((int32_t)k + 127) << 23; /* 2^k */
-    return p * scale.f;
-}
-
 
 #define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE)                                                            \
     void NAME(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, const int64_t* tables,       \
@@ -116,10 +80,10 @@ static inline float exp_nonpositive(float x) {
                     }                                                                                        \
                 }                                                                                            \
                 for (int g = 0; g < GROUP; g++) {                                                            \
-                    const float rescale = exp_nonpositive(run_max[g] - block_max[g]);                        \
+                    const float rescale = exp_approx(run_max[g] - block_max[g]);                        \
                     float sum = 0.0f;                                                                        \
                     _Pragma("omp simd reduction(+ : sum)") for (int t = 0; t < n; t++) {                     \
-                        p[g][t] = exp_nonpositive(p[g][t] - block_max[g]);                                   \
+                        p[g][t] = exp_approx(p[g][t] - block_max[g]);                                   \
                         sum += p[g][t];                                                                      \
                     }                                                                                        \
                     run_max[g] = block_max[g];                                                               \
@@ -169,6 +133,6 @@ static inline float exp_nonpositive(float x) {
     }
 
 DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_float, float_to_bf16)
-DEFINE_PAGED_DECODE(paged_decode_f32, float, as_float, as_float)
+DEFINE_PAGED_DECODE(paged_decode_f32, float, identity, identity)
 DEFINE_ROPE_WRITE_KV(rope_write_kv_bf16, uint16_t, bf16_to_float, float_to_bf16, round_bf16)
-DEFINE_ROPE_WRITE_KV(rope_write_kv_f32, float, as_float, as_float, identity)
+DEFINE_ROPE_WRITE_KV(rope_write_kv_f32, float, identity, identity, identity)
