@@ -16,9 +16,9 @@
 
 /* residual: [rows, dim], updated in place to residual + delta (rounded to the dtype) unless delta is NULL;
  * out: [rows, dim] = RMSNorm(residual) * weight, normalised in float32, rounded, then scaled and rounded. */
-#define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                                      \
-    void NAME(T* residual, const T* delta, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {   \
-        _Pragma("omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMENTS)") for (int64_t r = 0; r < rows;    \
+#define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                                     \
+    void NAME(T* residual, const T* delta, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {  \
+        _Pragma("omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMENTS)") for (int64_t r = 0; r < rows;   \
                                                                                   r++) {                     \
             T* x = residual + r * dim;                                                                       \
             if (delta != 0) {                                                                                \
@@ -37,14 +37,14 @@
 /* gate_up: [rows, 2 * dim] (gate then up); out: [rows, dim] = silu(gate) * up, silu rounded first. */
 #define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND)                                                         \
     void NAME(const T* gate_up, T* out, int64_t rows, int64_t dim) {                                         \
-        _Pragma("omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMENTS)") for (int64_t r = 0; r < rows;    \
+        _Pragma("omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMENTS)") for (int64_t r = 0; r < rows;   \
                                                                                   r++) {                     \
             const T* gate = gate_up + r * 2 * dim;                                                           \
             const T* up = gate + dim;                                                                        \
             T* y = out + r * dim;                                                                            \
             for (int64_t i = 0; i < dim; i++) {                                                              \
                 const float g = LOAD(gate[i]);                                                               \
-                y[i] = STORE(ROUND(g / (1.0f + exp_approx(-g))) * LOAD(up[i]));                             \
+                y[i] = STORE(ROUND(g / (1.0f + exp_approx(-g))) * LOAD(up[i]));                              \
             }                                                                                                \
         }                                                                                                    \
     }

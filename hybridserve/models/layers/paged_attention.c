@@ -39,7 +39,7 @@
         const int64_t head_stride = num_blocks * BLOCK_SIZE * HEAD_DIM;                                      \
         _Pragma("omp parallel for schedule(dynamic, 1)") for (int64_t item = 0; item < batch * kv_heads;     \
                                                               item++) {                                      \
-            const int64_t b = item / kv_heads, h = item % kv_heads, len = lens[b];                          \
+            const int64_t b = item / kv_heads, h = item % kv_heads, len = lens[b];                           \
             float qf[GROUP][HEAD_DIM], acc[GROUP][HEAD_DIM], p[GROUP][BLOCK_SIZE], run_max[GROUP],           \
                 run_sum[GROUP];                                                                              \
             for (int g = 0; g < GROUP; g++) {                                                                \
@@ -65,7 +65,7 @@
                 for (int g = 0; g < GROUP; g++) block_max[g] = run_max[g];                                   \
                 /* The next block is somewhere else in memory: ask for it a row per row of this one. */      \
                 for (int t = 0; t < n; t++) {                                                                \
-                    for (int o = t * ROW_BYTES(T); o < (t + 1) * ROW_BYTES(T); o += CACHE_LINE) {           \
+                    for (int o = t * ROW_BYTES(T); o < (t + 1) * ROW_BYTES(T); o += CACHE_LINE) {            \
                         __builtin_prefetch(next_k + o);                                                      \
                         __builtin_prefetch(next_v + o);                                                      \
                     }                                                                                        \
@@ -80,10 +80,10 @@
                     }                                                                                        \
                 }                                                                                            \
                 for (int g = 0; g < GROUP; g++) {                                                            \
-                    const float rescale = exp_approx(run_max[g] - block_max[g]);                        \
+                    const float rescale = exp_approx(run_max[g] - block_max[g]);                             \
                     float sum = 0.0f;                                                                        \
                     _Pragma("omp simd reduction(+ : sum)") for (int t = 0; t < n; t++) {                     \
-                        p[g][t] = exp_approx(p[g][t] - block_max[g]);                                   \
+                        p[g][t] = exp_approx(p[g][t] - block_max[g]);                                        \
                         sum += p[g][t];                                                                      \
                     }                                                                                        \
                     run_max[g] = block_max[g];                                                               \
@@ -123,11 +123,12 @@
                 float xf[HEAD_DIM];                                                                          \
                 for (int d = 0; d < HEAD_DIM; d++) xf[d] = LOAD(x[d]);                                       \
                 for (int d = 0; d < HEAD_DIM; d++)                                                           \
-                    x[d] = STORE(ROUND(xf[d] * LOAD(c[d])) + xf[(d + HEAD_DIM / 2) % HEAD_DIM] * LOAD(s[d]));  \
+                    x[d] = STORE(ROUND(xf[d] * LOAD(c[d])) +                                                 \
+                                 xf[(d + HEAD_DIM / 2) % HEAD_DIM] * LOAD(s[d]));                            \
             }                                                                                                \
             const int64_t slot = slots[t];                                                                   \
             for (int64_t h = 0; h < 2 * kv_heads; h++) /* K heads, then V heads */                           \
-                memcpy(cache + h * head_stride + slot * HEAD_DIM, row + (q_heads + h) * HEAD_DIM,             \
+                memcpy(cache + h * head_stride + slot * HEAD_DIM, row + (q_heads + h) * HEAD_DIM,            \
                        HEAD_DIM * sizeof(T));                                                                \
         }                                                                                                    \
     }
