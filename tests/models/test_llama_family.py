@@ -52,11 +52,13 @@ def _save(config, path: Path) -> Path:
     return path
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "pytorch-ops"])
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_logits_match_transformers(arch: str, tmp_path: Path) -> None:
+def test_logits_match_transformers(arch: str, native: bool, tmp_path: Path) -> None:
     path = _save(CONFIGS[arch](), tmp_path / arch)
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    runner = ModelRunner(EngineConfig(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64), path)
+    config = EngineConfig(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, native_kernels=native)
+    runner = ModelRunner(config, path)
     ids = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         ref = ref_model(torch.tensor([ids])).logits[0]

@@ -20,9 +20,15 @@ PROMPTS = [
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def runner(smollm2_dir) -> ModelRunner:
-    return ModelRunner(EngineConfig(dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256), smollm2_dir)
+@pytest.fixture(scope="module", params=[True, False], ids=["native-kernels", "pytorch-ops"])
+def runner(smollm2_dir, request) -> ModelRunner:
+    """Both ways the engine computes a layer on CPU; the PyTorch-ops one is also what CUDA runs."""
+    config = EngineConfig(
+        dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256, native_kernels=request.param
+    )
+    runner = ModelRunner(config, smollm2_dir)
+    assert (runner.attention_kernels is not None) == request.param
+    return runner
 
 
 @pytest.fixture(scope="module")
