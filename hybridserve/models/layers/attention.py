@@ -89,20 +89,6 @@ def _gather(
     return kv[0], kv[1]
 
 
-def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """GQA without repeating K/V: the query heads sharing a KV head become extra query rows.
-
-    q: [B, Hq, Q, D]; k, v: [B, Hkv, L, D]; mask: [B, 1, Q, L]. Returns [B, Hq, Q, D].
-    """
-    b, hq, nq, d = q.shape
-    hkv = k.shape[1]
-    group = hq // hkv
-    qg = q.reshape(b, hkv, group * nq, d)
-    mask = mask.repeat(1, 1, group, 1)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-    return out.reshape(b, hq, nq, d)
-
-
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per request; the query heads sharing a KV head are its rows. Plain matmuls beat
     the fused kernel for so few rows on CPU; softmax runs in float32 as in Hugging Face's eager attention.
@@ -166,6 +152,7 @@ def paged_attention(
         else:
             kc, vc = _gather(cache, p.block_table, 1)
             length = p.mask.shape[-1]
-            o = _grouped(qp, kc[:, :, :length].transpose(0, 1), vc[:, :, :length].transpose(0, 1), p.mask, scale)
+            kp, vp = kc[:, :, :length].transpose(0, 1), vc[:, :, :length].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
         out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
     return out
