@@ -156,10 +156,11 @@ class ModelRunner:
             logger.warning("paged attention falls back to PyTorch ops: %s", exc)
             return
         logger.info(
-            "paged attention: native kernels (head_dim %d, %d query heads per KV head, %s)",
+            "paged attention: native kernels (head_dim %d, %d query heads per KV head, %s%s)",
             spec.head_dim,
             group,
             spec.dtype,
+            ", bf16 dot-product instructions" if self.attention_kernels.bf16_dot else "",
         )
 
     def release(self, request_id: str) -> None:

@@ -39,8 +39,10 @@ def _reference(q, cache, tables, lens, scale):
     ("q_heads", "kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 64, 32), (6, 2, 80, 8)],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_float64_reference(q_heads, kv_heads, head_dim, block_size, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "portable"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
+def test_kernel_matches_float64_reference(q_heads, kv_heads, head_dim, block_size, dtype, portable):
     gen = torch.Generator().manual_seed(head_dim + block_size)
     num_blocks = 64
     cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
@@ -53,7 +55,8 @@ def test_kernel_matches_float64_reference(q_heads, kv_heads, head_dim, block_siz
     # Queries as the model hands them over: the head rows of a wider projection, strided between tokens.
     qkv = torch.randn(len(lens), q_heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
     q = qkv[:, :q_heads]
-    kernel = load_paged_attention(dtype, head_dim, block_size, q_heads // kv_heads)
+    kernel = load_paged_attention(dtype, head_dim, block_size, q_heads // kv_heads, portable=portable)
+    assert not (portable and kernel.bf16_dot)
     out = kernel.decode(q, cache, tables, lens, head_dim**-0.5)
     ref = _reference(q, cache, tables, lens, head_dim**-0.5)
     assert out.dtype == dtype and out.shape == (len(lens), q_heads, head_dim)
@@ -92,6 +95,14 @@ def test_a_single_visible_key_returns_its_value():
         torch.randn(1, 1, 64), cache, torch.tensor([[2]]), torch.tensor([1]), 0.125
     )
     assert torch.equal(out[0, 0], torch.arange(64.0))
+
+
+def test_bf16_dot_product_path_is_used_where_the_cpu_has_it():
+    with open("/proc/cpuinfo") as f:
+        has_bf16 = " avx512_bf16" in f.read()
+    assert load_paged_attention(torch.bfloat16, 64, 16, 3).bf16_dot == has_bf16
+    assert not load_paged_attention(torch.float32, 64, 16, 3).bf16_dot
+    assert not load_paged_attention(torch.bfloat16, 80, 16, 3).bf16_dot  # 80 is not a multiple of 32
 
 
 def test_shapes_it_was_not_built_for_are_refused():

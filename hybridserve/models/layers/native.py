@@ -53,6 +53,10 @@ class PagedAttention:
         name = _DTYPES[dtype]
         self._decode = _function(library, f"paged_decode_{name}", [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _F])
         self._rope_write_kv = _function(library, f"rope_write_kv_{name}", [_P, _I, _I, _I, _I, _P, _P, _P, _I, _P])
+        bf16_dot = ctypes.CDLL(str(library)).paged_decode_bf16_dot
+        bf16_dot.restype = ctypes.c_int
+        # Whether bfloat16 key scores use the CPU's bf16 dot-product instructions (AVX512-BF16).
+        self.bf16_dot = dtype == torch.bfloat16 and bool(bf16_dot())
 
     def _check(self, q_heads: int, cache: torch.Tensor) -> None:
         if q_heads != self.group * cache.shape[1] or cache.shape[3:] != (self.block_size, self.head_dim):
@@ -162,12 +166,16 @@ class FusedOps:
         return out
 
 
-def load_paged_attention(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> PagedAttention:
-    """The kernels for these shapes (`group`: query heads per KV head), built on first use. Raises
+def load_paged_attention(
+    dtype: torch.dtype, head_dim: int, block_size: int, group: int, *, portable: bool = False
+) -> PagedAttention:
+    """The kernels for these shapes (`group`: query heads per KV head), built on first use. `portable`:
+    plain C only, without the CPU's bf16 dot-product instructions (tests use it to cover that path). Raises
     KernelUnavailable naming the reason."""
     if dtype not in _DTYPES:
         raise KernelUnavailable(f"no native paged-attention kernels for dtype {dtype} (only bfloat16 and float32)")
-    library = _build("paged_attention", {"HEAD_DIM": head_dim, "BLOCK_SIZE": block_size, "GROUP": group})
+    defines = {"HEAD_DIM": head_dim, "BLOCK_SIZE": block_size, "GROUP": group} | ({"PORTABLE": 1} if portable else {})
+    library = _build("paged_attention", defines)
     return PagedAttention(library, dtype, head_dim, block_size, group)
 
 

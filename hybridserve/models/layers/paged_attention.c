@@ -32,6 +32,52 @@
 #define CACHE_LINE 64
 #define ROW_BYTES(T) ((int)(HEAD_DIM * sizeof(T)))
 
+/* How a block's key scores are computed: in float32 with the query heads scaled once (any target), or,
+ * for bfloat16 on CPUs with AVX512-BF16, with dot-product instructions straight on the stored bf16 keys
+ * and queries (exact products, float32 sums). -DPORTABLE forces the first, so tests cover both. Each
+ * KEY_SCORES sets p[g][t] and raises block_max[g]. */
+#define LOAD_QUERIES_FLOAT(LOAD)                                                                             \
+    float qf[GROUP][HEAD_DIM];                                                                               \
+    for (int g = 0; g < GROUP; g++)                                                                          \
+        for (int d = 0; d < HEAD_DIM; d++) qf[g][d] = LOAD(queries[g * HEAD_DIM + d]) * scale;
+
+#define KEY_SCORES_FLOAT(LOAD, krow, t)                                                                      \
+    {                                                                                                        \
+        float k[HEAD_DIM];                                                                                   \
+        for (int d = 0; d < HEAD_DIM; d++) k[d] = LOAD((krow)[d]);                                           \
+        for (int g = 0; g < GROUP; g++) {                                                                    \
+            float dot = 0.0f;                                                                                \
+            _Pragma("omp simd reduction(+ : dot)") for (int d = 0; d < HEAD_DIM; d++) dot += qf[g][d] * k[d]; \
+            p[g][t] = dot;                                                                                   \
+            block_max[g] = dot > block_max[g] ? dot : block_max[g];                                          \
+        }                                                                                                    \
+    }
+
+#if defined(__AVX512BF16__) && !defined(PORTABLE) && HEAD_DIM % 32 == 0
+#include <immintrin.h>
+#define BF16_DOT 1
+#define LOAD_QUERIES_BF16_DOT                                                                                \
+    __m512bh qb[GROUP][HEAD_DIM / 32];                                                                       \
+    for (int g = 0; g < GROUP; g++)                                                                          \
+        for (int c = 0; c < HEAD_DIM / 32; c++)                                                              \
+            qb[g][c] = (__m512bh)_mm512_loadu_si512((const void*)(queries + g * HEAD_DIM + 32 * c));
+
+#define KEY_SCORES_BF16_DOT(krow, t)                                                                         \
+    {                                                                                                        \
+        __m512 sums[GROUP];                                                                                  \
+        for (int g = 0; g < GROUP; g++) sums[g] = _mm512_setzero_ps();                                       \
+        for (int c = 0; c < HEAD_DIM / 32; c++) {                                                            \
+            const __m512bh k = (__m512bh)_mm512_loadu_si512((const void*)((krow) + 32 * c));                 \
+            for (int g = 0; g < GROUP; g++) sums[g] = _mm512_dpbf16_ps(sums[g], qb[g][c], k);                \
+        }                                                                                                    \
+        for (int g = 0; g < GROUP; g++) {                                                                    \
+            const float dot = _mm512_reduce_add_ps(sums[g]) * scale;                                         \
+            p[g][t] = dot;                                                                                   \
+            block_max[g] = dot > block_max[g] ? dot : block_max[g];                                          \
+        }                                                                                                    \
+    }
+#endif
+
 #define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE)                                                            \
     void NAME(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, const int64_t* tables,       \
               int64_t table_stride, const int64_t* lens, T* out, int64_t batch, int64_t q_heads,             \
@@ -40,14 +86,11 @@
         _Pragma("omp parallel for schedule(dynamic, 1)") for (int64_t item = 0; item < batch * kv_heads;     \
                                                               item++) {                                      \
             const int64_t b = item / kv_heads, h = item % kv_heads, len = lens[b];                           \
-            float qf[GROUP][HEAD_DIM], acc[GROUP][HEAD_DIM], p[GROUP][BLOCK_SIZE], run_max[GROUP],           \
-                run_sum[GROUP];                                                                              \
+            float acc[GROUP][HEAD_DIM], p[GROUP][BLOCK_SIZE], run_max[GROUP], run_sum[GROUP];                \
+            const T* queries = q + b * q_stride + h * GROUP * HEAD_DIM;                                      \
+            LOAD_QUERIES(queries)                                                                            \
             for (int g = 0; g < GROUP; g++) {                                                                \
-                const T* src = q + b * q_stride + (h * GROUP + g) * HEAD_DIM;                                \
-                for (int d = 0; d < HEAD_DIM; d++) {                                                         \
-                    qf[g][d] = LOAD(src[d]) * scale;                                                         \
-                    acc[g][d] = 0.0f;                                                                        \
-                }                                                                                            \
+                for (int d = 0; d < HEAD_DIM; d++) acc[g][d] = 0.0f;                                         \
                 run_max[g] = -INFINITY;                                                                      \
                 run_sum[g] = 0.0f;                                                                           \
             }                                                                                                \
@@ -69,15 +112,7 @@
                         __builtin_prefetch(next_k + o);                                                      \
                         __builtin_prefetch(next_v + o);                                                      \
                     }                                                                                        \
-                    float k[HEAD_DIM];                                                                       \
-                    for (int d = 0; d < HEAD_DIM; d++) k[d] = LOAD(kb[t * HEAD_DIM + d]);                    \
-                    for (int g = 0; g < GROUP; g++) {                                                        \
-                        float dot = 0.0f;                                                                    \
-                        _Pragma("omp simd reduction(+ : dot)") for (int d = 0; d < HEAD_DIM; d++) dot +=     \
-                            qf[g][d] * k[d];                                                                 \
-                        p[g][t] = dot;                                                                       \
-                        block_max[g] = dot > block_max[g] ? dot : block_max[g];                              \
-                    }                                                                                        \
+                    KEY_SCORES(kb + t * HEAD_DIM, t)                                                         \
                 }                                                                                            \
                 for (int g = 0; g < GROUP; g++) {                                                            \
                     const float rescale = exp_approx(run_max[g] - block_max[g]);                             \
@@ -133,7 +168,30 @@
         }                                                                                                    \
     }
 
+#ifdef BF16_DOT
+#define LOAD_QUERIES(queries) LOAD_QUERIES_BF16_DOT
+#define KEY_SCORES(krow, t) KEY_SCORES_BF16_DOT(krow, t)
+#else
+#define LOAD_QUERIES(queries) LOAD_QUERIES_FLOAT(bf16_to_float)
+#define KEY_SCORES(krow, t) KEY_SCORES_FLOAT(bf16_to_float, krow, t)
+#endif
 DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_float, float_to_bf16)
+#undef LOAD_QUERIES
+#undef KEY_SCORES
+
+#define LOAD_QUERIES(queries) LOAD_QUERIES_FLOAT(identity)
+#define KEY_SCORES(krow, t) KEY_SCORES_FLOAT(identity, krow, t)
 DEFINE_PAGED_DECODE(paged_decode_f32, float, identity, identity)
+#undef LOAD_QUERIES
+#undef KEY_SCORES
+
+/* Which key-score path the bfloat16 kernel was built with, for tests and logs: 1 dot-product instructions. */
+int paged_decode_bf16_dot(void) {
+#ifdef BF16_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
 DEFINE_ROPE_WRITE_KV(rope_write_kv_bf16, uint16_t, bf16_to_float, float_to_bf16, round_bf16)
 DEFINE_ROPE_WRITE_KV(rope_write_kv_f32, float, identity, identity, identity)
