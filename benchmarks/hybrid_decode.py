@@ -11,9 +11,7 @@ time, the median of 2 runs. Writes <out>/hybrid_decode.csv and .png; progress go
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,16 +19,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.random_checkpoints import make_kimi, make_llama, num_parameters
+from benchmarks.report import say, write_csv
 from hybridserve.engine.fanout import expand
 from hybridserve.engine.llm import LLM
 from hybridserve.sampling_params import SamplingParams
 
 CONCURRENCY = (1, 32)
 REPEATS = 2
-
-
-def say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def run_s(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
@@ -83,10 +78,7 @@ def main() -> None:
             say(f"  {rows[-1]}")
         llm.core.check_integrity()
     path = args.out / "hybrid_decode.csv"
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, path)
     plot(rows, args.out / "hybrid_decode.png")
     print("| model | parameters | concurrency | decode tok/s |")
     print("|---|---|---|---|")

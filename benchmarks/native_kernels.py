@@ -13,23 +13,18 @@ Writes <out>/native_kernels.csv and .png; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.report import say, write_csv
 from hybridserve.engine.fanout import expand
 from hybridserve.engine.llm import LLM
 from hybridserve.sampling_params import SamplingParams
 
 SIDES = {"native kernels": True, "PyTorch ops": False}
-
-
-def say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def decode_step_ms(llm: LLM, batch: int, context: int, steps: int, gen: torch.Generator) -> float:
@@ -75,11 +70,7 @@ def main() -> None:
                 say(f"{side}: batch {batch}, context {context}: {ms:.1f} ms a decode step")
                 rows.append({"side": side, "batch": batch, "context": context, "step_ms": round(ms, 2)})
         del llm
-    args.out.mkdir(parents=True, exist_ok=True)
-    with (args.out / "native_kernels.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, args.out / "native_kernels.csv")
     plot(rows, contexts, args.out / "native_kernels.png")
     print("| batch | context | " + " | ".join(f"{s} ms" for s in SIDES) + " | speed-up |")
     print("|---|---|" + "---|" * (len(SIDES) + 1))

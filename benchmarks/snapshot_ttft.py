@@ -16,9 +16,7 @@ benchmarks/random_checkpoints.py's dense Kimi-Linear config, random weights, flo
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.random_checkpoints import make_kimi, num_parameters
+from benchmarks.report import say, write_csv
 from hybridserve.engine.llm import LLM
 from hybridserve.sampling_params import SamplingParams
 
@@ -33,10 +32,6 @@ TURN1 = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 FIRST = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 NEW_TOKENS = 32
 REPEATS = 3
-
-
-def say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def timed(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, list[int], int]:
@@ -93,10 +88,7 @@ def main() -> None:
             rows.append(row)
             say(f"  {row}")
     path = args.out / "snapshot_ttft.csv"
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, path)
     plot(rows, args.out / "snapshot_ttft.png")
     print("| turn-1 prompt | snapshots | turn-2 TTFT ms | turn-2 cached tokens | turn 1 s |")
     print("|---|---|---|---|---|")
