@@ -50,6 +50,16 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def connect_worker(in_addr: str, out_addr: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """A worker process's end of its two pipes to the frontend: (inbox it pulls from, outbox it pushes to)."""
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(in_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(out_addr)
+    return inbox, outbox
+
+
 def run_engine_worker(config: EngineConfig, hf_dir: Path, in_addr: str, out_addr: str) -> None:
     """Entry point of the worker process. It never outlives the frontend that started it."""
     from hybridserve.engine.core import EngineCore
@@ -58,11 +68,7 @@ def run_engine_worker(config: EngineConfig, hf_dir: Path, in_addr: str, out_addr
     _die_with_parent()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(in_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(out_addr)
+    inbox, outbox = connect_worker(in_addr, out_addr)
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(EngineInput).decode
     try:

@@ -29,7 +29,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from hybridserve.engine.client import _die_with_parent
+from hybridserve.engine.client import _die_with_parent, connect_worker
 from hybridserve.engine.output_processor import SequenceOutput
 from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from hybridserve.serving.metrics import ServingMetrics
@@ -144,11 +144,7 @@ def run_postprocess_worker(hf_dir: Path, in_addr: str, out_addr: str) -> None:
     parent = os.getppid()
     _die_with_parent()
     tokenizer = load_tokenizer(hf_dir)
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(in_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(out_addr)
+    inbox, outbox = connect_worker(in_addr, out_addr)
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(WorkerInput).decode
     outbox.send(encode(WorkerReady()))
