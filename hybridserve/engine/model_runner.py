@@ -205,11 +205,12 @@ class ModelRunner:
             width = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
             lens = torch.tensor(decode_lens, device=dev)
-            visible = torch.arange(width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
-            bias = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
-            decode = DecodeGroup(
-                torch.tensor(decode_rows, device=dev), tables, tables.flatten(), lens, bias.unsqueeze(1)
-            )
+            bias = None  # the native kernel stops at each request's length by itself
+            if self.attention_kernels is None:
+                visible = torch.arange(width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+                bias = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+                bias = bias.unsqueeze(1)
+            decode = DecodeGroup(torch.tensor(decode_rows, device=dev), tables, tables.flatten(), lens, bias)
         states = None
         if state_slots is not None:
             decode_slots = torch.tensor(decode_states, device=dev) if decode_states else None

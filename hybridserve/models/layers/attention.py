@@ -27,7 +27,8 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [B, max_blocks]
     flat_tables: torch.Tensor  # block_tables.flatten()
     context_lens: torch.Tensor  # [B] int64: keys each request's query sees (its new token included)
-    bias: torch.Tensor  # [B, 1, max_blocks * block_size]: 0 where a key is visible, -inf elsewhere
+    # [B, 1, max_blocks * block_size]: 0 where a key is visible, -inf elsewhere; None with native kernels
+    bias: torch.Tensor | None
 
 
 @dataclass
@@ -109,6 +110,7 @@ def _decode_group(
     """q: [B, Hq, D], one query per request of the decode group. Returns [B, Hq, D]."""
     if meta.kernels is not None:
         return meta.kernels.decode(q, cache, d.block_tables, d.context_lens, scale)
+    assert d.bias is not None, "the decode bias is built whenever native kernels are not loaded"
     kc, vc = _gather(cache, d.flat_tables, d.block_tables.shape[0], meta.workspace)
     return _decode(q, kc, vc, d.bias, scale)
 

@@ -100,6 +100,7 @@ class MultiheadLatentAttention(nn.Module):
         out = x.new_empty(t, self.num_heads, self.v_dim)
         d = meta.decode
         if d is not None:
+            assert d.bias is not None, "MLA layers always get the decode bias (no native kernel reads latents)"
             b = d.block_tables.shape[0]
             latents = cache.index_select(0, d.flat_tables).view(b, -1, self.latent_dim)
             out.index_copy_(0, d.token_index, self._decode(q.index_select(0, d.token_index), latents, d.bias))

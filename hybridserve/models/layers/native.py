@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,13 +51,11 @@ class PagedAttention:
 
     def __init__(self, library: Path, dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> None:
         self.dtype, self.head_dim, self.block_size, self.group = dtype, head_dim, block_size, group
-        name = _DTYPES[dtype]
-        self._decode = _function(library, f"paged_decode_{name}", [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _F])
-        self._rope_write_kv = _function(library, f"rope_write_kv_{name}", [_P, _I, _I, _I, _I, _P, _P, _P, _I, _P])
-        bf16_dot = ctypes.CDLL(str(library)).paged_decode_bf16_dot
-        bf16_dot.restype = ctypes.c_int
+        lib, name = ctypes.CDLL(str(library)), _DTYPES[dtype]
+        self._decode = _function(lib, f"paged_decode_{name}", [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _F])
+        self._rope_write_kv = _function(lib, f"rope_write_kv_{name}", [_P, _I, _I, _I, _I, _P, _P, _P, _I, _P])
         # Whether bfloat16 key scores use the CPU's bf16 dot-product instructions (AVX512-BF16).
-        self.bf16_dot = dtype == torch.bfloat16 and bool(bf16_dot())
+        self.bf16_dot = dtype == torch.bfloat16 and bool(_function(lib, "paged_decode_bf16_dot", [], ctypes.c_int)())
 
     def _check(self, q_heads: int, cache: torch.Tensor) -> None:
         if q_heads != self.group * cache.shape[1] or cache.shape[3:] != (self.block_size, self.head_dim):
@@ -129,16 +128,21 @@ class FusedOps:
     """A decoder layer's element-wise chains in one pass each, for bfloat16 and float32 rows."""
 
     def __init__(self, library: Path) -> None:
+        lib = ctypes.CDLL(str(library))
         self._add_rms_norm = {
-            dtype: _function(library, f"add_rms_norm_{name}", [_P, _P, _P, _P, _I, _I, _F])
+            dtype: _function(lib, f"add_rms_norm_{name}", [_P, _P, _P, _P, _I, _I, _F])
             for dtype, name in _DTYPES.items()
         }
         self._silu_mul = {
-            dtype: _function(library, f"silu_mul_{name}", [_P, _P, _I, _I]) for dtype, name in _DTYPES.items()
+            dtype: _function(lib, f"silu_mul_{name}", [_P, _P, _I, _I]) for dtype, name in _DTYPES.items()
         }
 
-    def supports(self, x: torch.Tensor) -> bool:
-        return x.dtype in _DTYPES and x.device.type == "cpu" and x.is_contiguous()
+    def supports(self, *tensors: torch.Tensor) -> bool:
+        """Whether the kernels can take these tensors: CPU, contiguous, all bfloat16 or all float32."""
+        dtype = tensors[0].dtype
+        return dtype in _DTYPES and all(
+            t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() for t in tensors
+        )
 
     def add_rms_norm(
         self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -184,10 +188,10 @@ def load_fused_ops() -> FusedOps:
     return FusedOps(_build("fused_ops", {}))
 
 
-def _function(library: Path, name: str, argtypes: list[type]) -> Callable[..., None]:
-    fn = getattr(ctypes.CDLL(str(library)), name)
+def _function(lib: ctypes.CDLL, name: str, argtypes: list[type], restype: type | None = None) -> Callable[..., Any]:
+    fn = getattr(lib, name)
     fn.argtypes = argtypes
-    fn.restype = None
+    fn.restype = restype
     return fn
 
 

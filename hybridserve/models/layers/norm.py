@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
         """x: [T, dim]. Returns (RMSNorm(x + residual), x + residual); without a residual, x is the stream.
         The native path updates `residual` in place: callers own the stream tensor."""
         stream = x if residual is None else residual
-        if self.native is not None and self.native.supports(stream) and (residual is None or x.is_contiguous()):
+        if self.native is not None and self.native.supports(stream, x, self.weight):
             return self.native.add_rms_norm(stream, None if residual is None else x, self.weight, self.eps), stream
         if residual is not None:
             stream = residual + x
