@@ -28,8 +28,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from hybridserve.config import EngineConfig
 from hybridserve.engine.core import EngineCore
 from hybridserve.engine.llm import LLM
+from hybridserve.engine.parity import chunked_logits
 from hybridserve.engine.protocol import EngineCoreRequest
-from hybridserve.models.parity import chunked_logits
 from hybridserve.sampling_params import SamplingParams
 
 SIZES = {

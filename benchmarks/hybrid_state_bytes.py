@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import KimiLinearConfig
 
-from hybridserve.engine.cache.specs import CacheLayout, MLASpec
+from hybridserve.models.cache_specs import CacheLayout, MLASpec
 from hybridserve.models.kimi_linear import KimiLinearForCausalLM
 
 # Kimi-Linear-48B-A3B (docs: REFERENCE §6): 27 layers, 3 KDA then 1 MLA, 1-based layer numbers.

@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.cache.specs import AttentionSpec, CacheLayout, LinearStateSpec
 from hybridserve.engine.cache.state_pool import StatePool
 from hybridserve.engine.cache.state_snapshots import StateSnapshots
 from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
 from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.engine.structured_output import GrammarBitmask, SequenceGrammar
+from hybridserve.models.cache_specs import AttentionSpec, CacheLayout, LinearStateSpec
 from hybridserve.models.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, StateMetadata
 from hybridserve.models.layers.linear import can_pack, pack_linears
 from hybridserve.models.layers.native import (

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from hybridserve.engine.cache.specs import LayerSpec, LinearStateSpec, MLASpec
+from hybridserve.models.cache_specs import LayerSpec, LinearStateSpec, MLASpec
 from hybridserve.models.layers.attention import AttentionMetadata
 from hybridserve.models.layers.depth_mix import DepthMix, DepthStream
 from hybridserve.models.layers.kda import KDAConfig, KimiDeltaAttention

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from hybridserve.engine.cache.specs import AttentionSpec
+from hybridserve.models.cache_specs import AttentionSpec
 from hybridserve.models.layers.attention import AttentionMetadata, paged_attention, rope_and_cache
 from hybridserve.models.layers.native import FusedOps
 from hybridserve.models.layers.norm import RMSNorm

@@ -7,11 +7,11 @@ import torch
 
 from hybridserve.engine.cache.manager import KVCacheManager
 from hybridserve.engine.cache.prefix_hash import hash_blocks
-from hybridserve.engine.cache.specs import LinearStateSpec
 from hybridserve.engine.cache.state_pool import StatePool
 from hybridserve.engine.cache.state_snapshots import StateSnapshots
 from hybridserve.engine.protocol import EngineCoreRequest
 from hybridserve.engine.request import Request
+from hybridserve.models.cache_specs import LinearStateSpec
 from hybridserve.sampling_params import SamplingParams
 
 BS = 4

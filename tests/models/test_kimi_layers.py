@@ -8,11 +8,11 @@ import torch.nn.functional as F
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.model_runner import ModelRunner
+from hybridserve.engine.parity import chunked_logits
 from hybridserve.models.layers.depth_mix import DepthMix, DepthStream
 from hybridserve.models.layers.kda import KDAConfig, KimiDeltaAttention, kda_chunked, kda_recurrent, l2norm
 from hybridserve.models.layers.mla import MLAConfig, MultiheadLatentAttention
 from hybridserve.models.layers.moe import MoEConfig, Router
-from hybridserve.models.parity import chunked_logits
 
 
 def _kda_inputs(h: int, t: int, d: int, decay_scale: float, seed: int = 0):

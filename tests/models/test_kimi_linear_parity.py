@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.model_runner import ModelRunner
-from hybridserve.models.parity import chunked_logits
+from hybridserve.engine.parity import chunked_logits
 
 LENGTHS = [1, 7, 16, 33, 70]  # mixed: shorter and longer than KDA's chunk and MLA's blocks
 DECODE_STEPS = 32

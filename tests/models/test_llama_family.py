@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.model_runner import ModelRunner
-from hybridserve.models.parity import chunked_logits
+from hybridserve.engine.parity import chunked_logits
 
 TINY = dict(
     vocab_size=256,

@@ -8,7 +8,7 @@ import torch
 from hybridserve.config import EngineConfig
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.model_runner import ModelRunner
-from hybridserve.models.parity import chunked_logits
+from hybridserve.engine.parity import chunked_logits
 from hybridserve.sampling_params import SamplingParams
 
 PROMPTS = [

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from hybridserve.engine.cache.specs import LinearStateSpec
+from hybridserve.models.cache_specs import LinearStateSpec
 
 Allocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
