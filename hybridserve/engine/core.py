@@ -14,15 +14,16 @@ import xgrammar as xgr
 from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.manager import KVCacheManager
 from hybridserve.engine.model_runner import ModelRunner
+from hybridserve.engine.plan import SchedulerOutput
 from hybridserve.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
 )
-from hybridserve.engine.request import Request, RequestStatus
+from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import Scheduler
-from hybridserve.engine.structured_output import GrammarCompiler, SequenceGrammar
+from hybridserve.engine.structured_output import GrammarBitmask, GrammarCompiler, SequenceGrammar, TokenMask
 from hybridserve.engine.throughput_log import ThroughputLog
 
 logger = logging.getLogger("hybridserve.engine")
@@ -49,10 +50,11 @@ class EngineCore:
             self.runner.num_blocks,
             config.block_size,
             config.enable_prefix_caching,
-            self.runner.state_pool,
-            self.runner.snapshots,
+            self.runner.num_state_slots,
+            self.runner.num_state_snapshots,
         )
         self.scheduler = Scheduler(config, self.kv, self.runner.device.type)
+        self.grammar_bitmask = GrammarBitmask(self.runner.vocab_size)
         self._pending: list[EngineCoreOutput] = []
         self.grammars = GrammarCompiler(hf_dir, self.runner.vocab_size)
         self._compiling: dict[str, _Compiling] = {}
@@ -99,12 +101,11 @@ class EngineCore:
             compiling = self._compiling.pop(rid, None)
             if compiling is not None:
                 compiling.request.finish(FinishReason.ABORT)
-                self._pending.append(self._output(compiling.request, []))
+                self._pending.append(compiling.request.output([]))
             req = self.scheduler.requests.get(rid)
             if req is not None:
                 self.scheduler.finish(req, FinishReason.ABORT)
-                self.runner.release(rid)
-                self._pending.append(self._output(req, []))
+                self._pending.append(req.output([]))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or bool(self._compiling)
@@ -134,7 +135,7 @@ class EngineCore:
             except Exception as exc:  # reported on this request only; the others go on
                 logger.warning("request %s: structured_output could not be compiled: %s", rid, exc)
                 req.finish(FinishReason.ERROR)
-                failed.append(self._output(req, [], error=f"structured_output could not be compiled: {exc}"))
+                failed.append(req.output([], error=f"structured_output could not be compiled: {exc}"))
                 continue
             self.scheduler.add(req)
         return failed
@@ -142,32 +143,21 @@ class EngineCore:
     def _step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
+        hidden = self.runner.forward(plan)  # also a plan with nothing scheduled: it may finish requests
         if not plan.scheduled:
             return self._fail_unschedulable()
-        tables = [self.kv.block_ids(s.request.request_id) for s in plan.scheduled]
-        slots = None
-        if self.kv.states is not None:
-            slots = [self.kv.state_slot(s.request.request_id) for s in plan.scheduled]
-        sampled = self.runner.execute(plan, tables, slots)
-        self.scheduler.complete_step(plan)
-        outputs = []
-        for s in plan.scheduled:
-            req = s.request
-            result = sampled.get(req.request_id)
-            if result is None:
-                continue
-            req.output_token_ids.append(result.token_id)
-            if req.grammar is not None and not req.grammar.accept(result.token_id):  # the mask forbids this
-                outputs.append(self._fail(req, f"grammar rejected sampled token {result.token_id}"))
-                continue
-            req.check_stop()
-            logprobs = [result.logprobs] if result.logprobs is not None else None
-            outputs.append(self._output(req, [result.token_id], logprobs))
-            if req.status is RequestStatus.FINISHED:
-                self.runner.release(req.request_id)
-        self.scheduler.retire_finished()
+        # Filled on the CPU while a GPU still runs the step's kernels.
+        mask = self._grammar_mask(plan)
+        sampled = self.runner.sample(plan, hidden, mask)
+        outputs = self.scheduler.update(plan, sampled)
         self.throughput.record(plan.num_tokens, len(sampled), time.perf_counter() - start)
         return outputs
+
+    def _grammar_mask(self, plan: SchedulerOutput) -> TokenMask | None:
+        """The allowed tokens of the constrained requests that sample this step (rows as plan.sampling_ids)."""
+        ids = plan.sampling_ids
+        rows = [(row, g) for row, rid in enumerate(ids) if (g := self.scheduler.requests[rid].grammar) is not None]
+        return self.grammar_bitmask.fill(rows, len(ids), self.runner.device) if rows else None
 
     def _fail_unschedulable(self) -> list[EngineCoreOutput]:
         """Nothing could run: the head of the queue cannot fit even in an empty cache."""
@@ -176,38 +166,19 @@ class EngineCore:
         req = self.scheduler.waiting[0]
         msg = f"request needs {req.num_tokens} tokens of KV cache; the cache holds {self.kv.pool.num_blocks} blocks"
         logger.error("request %s: %s", req.request_id, msg)
-        return [self._fail(req, msg)]
+        return [self.scheduler.fail(req, msg)]
 
     def fail_all(self, error: str) -> list[EngineCoreOutput]:
         """After a failed step: end every request the scheduler holds with an error (those still waiting for
-        their grammar took no part in the step and go on). Blocks of that step were made findable before
-        their KV was written, so the prefix cache is forgotten too."""
-        failed = [self._fail(req, error) for req in list(self.scheduler.requests.values())]
-        self.kv.pool.reset_prefix_cache()
-        return failed
-
-    def _fail(self, req: Request, error: str) -> EngineCoreOutput:
-        self.scheduler.finish(req, FinishReason.ERROR)
-        self.runner.release(req.request_id)
-        return self._output(req, [], error=error)
-
-    @staticmethod
-    def _output(
-        req: Request, new_ids: list[int], logprobs: list | None = None, error: str | None = None
-    ) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            request_id=req.request_id,
-            new_token_ids=new_ids,
-            new_logprobs=logprobs,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            num_prompt_tokens=len(req.prompt_token_ids),
-            num_cached_tokens=req.num_cached_tokens,
-            error=error,
-        )
+        their grammar took no part in the step and go on)."""
+        return self.scheduler.fail_all(error)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        self.runner.check_integrity()
+        unknown = set(self.runner.requests) - set(self.scheduler.requests) - set(self.scheduler.finished_ids)
+        if unknown:
+            raise AssertionError(f"the runner keeps state of requests {sorted(unknown)} the scheduler does not hold")
         running_blocks = set(self.kv.req_blocks)
         live = {r.request_id for r in self.scheduler.running}
         if running_blocks != live:

@@ -1,20 +1,25 @@
-"""Loads the model and its paged cache, turns a scheduled step into tensors, runs it, samples."""
+"""Loads the model and its caches, turns a step plan into tensors, runs it, samples.
+
+The runner owns every tensor: weights, the paged KV cache, the recurrent-state slots and their snapshots. It
+executes plain-data plans (plan.py) and keeps, per request id, only what later plans leave out: the block table
+(plans send diffs) and the sampler state (penalties read the tokens sampled so far, a seeded request keeps its
+generator across preemption)."""
 
 from __future__ import annotations
 
 import logging
 import mmap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.cache.state_pool import StatePool
-from hybridserve.engine.cache.state_snapshots import StateSnapshots
+from hybridserve.engine.cache.state_tensors import StateTensors
+from hybridserve.engine.plan import SchedulerOutput
 from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
-from hybridserve.engine.scheduler import SchedulerOutput
-from hybridserve.engine.structured_output import GrammarBitmask, SequenceGrammar
+from hybridserve.engine.structured_output import TokenMask
 from hybridserve.models.cache_specs import AttentionSpec, CacheLayout, LinearStateSpec
 from hybridserve.models.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, StateMetadata
 from hybridserve.models.layers.linear import can_pack, pack_linears
@@ -113,18 +118,21 @@ class ModelRunner:
             self.block_size,
             self.num_blocks * self.layout.bytes_per_block / 1024**3,
         )
-        self.state_pool: StatePool | None = None
-        self.snapshots: StateSnapshots | None = None
+        # Models with linear-attention layers: state slots, and snapshots of them for prefix hits.
+        self.num_state_slots = self.num_state_snapshots = 0
+        self.state_tensors: StateTensors | None = None
         states = iter([])
         if self.layout.state_specs:
-            slots = config.num_state_slots or config.max_num_seqs
-            self.state_pool = StatePool(self.layout.state_specs, slots, self.device, zeroed)
-            states = iter(self.state_pool.layers)
+            slots = self.num_state_slots = config.num_state_slots or config.max_num_seqs
+            if config.enable_prefix_caching:
+                self.num_state_snapshots = slots if config.num_state_snapshots is None else config.num_state_snapshots
+            self.state_tensors = StateTensors(
+                self.layout.state_specs, slots, self.num_state_snapshots, self.device, zeroed
+            )
+            states = iter(self.state_tensors.slots)
             logger.info("recurrent state: %d slots of %.2f MiB", slots, self.layout.bytes_per_state_slot / 1024**2)
-            num_snapshots = slots if config.num_state_snapshots is None else config.num_state_snapshots
-            if config.enable_prefix_caching and num_snapshots > 0:
-                self.snapshots = StateSnapshots(self.state_pool, num_snapshots, self.device, zeroed)
-                logger.info("recurrent-state snapshots for prefix hits: %d", num_snapshots)
+            if self.num_state_snapshots:
+                logger.info("recurrent-state snapshots for prefix hits: %d", self.num_state_snapshots)
         # Per layer, in layer order: a paged cache tensor, or a (conv tails, states) pair of the state pool.
         self.kv_caches = [
             next(states) if isinstance(s, LinearStateSpec) else next(paged) for s in self.layout.layer_specs
@@ -133,8 +141,7 @@ class ModelRunner:
         if config.native_kernels and self.device.type == "cpu":
             self._load_native_kernels()
         self.sampler = Sampler(self.vocab_size)
-        self.sampling_states: dict[str, SamplingState] = {}
-        self.grammar_bitmask = GrammarBitmask(self.vocab_size)
+        self.requests: dict[str, _RunnerRequest] = {}  # every request an earlier plan scheduled and none finished
 
     def _load_native_kernels(self) -> None:
         """C kernels for this model on CPU: paged attention (decode, rotary + cache write) for its attention
@@ -163,14 +170,29 @@ class ModelRunner:
             ", bf16 dot-product instructions" if self.attention_kernels.bf16_dot else "",
         )
 
-    def release(self, request_id: str) -> None:
-        self.sampling_states.pop(request_id, None)
+    def check_integrity(self) -> None:
+        if self.state_tensors is not None:
+            self.state_tensors.check_integrity()
 
-    def attention_metadata(
-        self, out: SchedulerOutput, block_tables: list[list[int]], state_slots: list[int] | None = None
-    ) -> AttentionMetadata:
-        """Cache slots, the decode group and the prefill chunks of a step, built once for every layer;
-        with `state_slots` (one per scheduled request), the recurrent-state slots of each group."""
+    def _apply_books(self, plan: SchedulerOutput) -> None:
+        """Take in what the plan says of requests: those finished are forgotten, new ones met, tables grown."""
+        for rid in plan.finished_ids:
+            self.requests.pop(rid, None)
+        for new in plan.new_requests:
+            state = SamplingState.create(new.sampling_params, new.prompt_token_ids, [], new.eos_token_ids, self.device)
+            self.requests[new.request_id] = _RunnerRequest([], state)
+        for s in plan.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None:
+                raise RuntimeError(f"the plan schedules request {s.request_id!r}, which no plan introduced")
+            if s.full_table:
+                req.block_ids = list(s.block_ids)
+            else:
+                req.block_ids.extend(s.block_ids)
+
+    def attention_metadata(self, plan: SchedulerOutput) -> AttentionMetadata:
+        """Cache slots, the decode group and the prefill chunks of a step, built once for every layer; for
+        models with linear attention, the recurrent-state slots of each group."""
         bs, dev = self.block_size, self.device
         slots: list[int] = []
         decode_rows: list[int] = []
@@ -180,11 +202,11 @@ class ModelRunner:
         decode_states: list[int] = []
         prefill_states: list[int] = []
         offset = 0
-        for i, (s, table) in enumerate(zip(out.scheduled, block_tables, strict=True)):
-            start, n = s.request.num_computed_tokens, s.num_new_tokens
+        for s in plan.scheduled:
+            table = self.requests[s.request_id].block_ids
+            start, n = s.start, s.num_tokens
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if state_slots is not None:
-                (decode_states if n == 1 else prefill_states).append(state_slots[i])
+            (decode_states if n == 1 else prefill_states).append(s.state_slot)
             if n == 1:
                 decode_rows.append(offset)
                 decode_tables.append(table[: -(-(start + 1) // bs)])
@@ -212,47 +234,70 @@ class ModelRunner:
                 bias = bias.unsqueeze(1)
             decode = DecodeGroup(torch.tensor(decode_rows, device=dev), tables, tables.flatten(), lens, bias)
         states = None
-        if state_slots is not None:
+        if self.state_tensors is not None:
             decode_slots = torch.tensor(decode_states, device=dev) if decode_states else None
             states = StateMetadata(decode_slots, prefill_states)
         return AttentionMetadata(torch.tensor(slots, device=dev), decode, prefills, states, self.attention_kernels)
 
     @torch.inference_mode()
-    def execute(
-        self, out: SchedulerOutput, block_tables: list[list[int]], state_slots: list[int] | None = None
-    ) -> dict[str, SampleResult]:
-        """Run one step; returns the sampled token of every request whose last known token was computed.
-        `state_slots`: each scheduled request's recurrent-state slot (models with linear attention)."""
+    def forward(self, plan: SchedulerOutput) -> torch.Tensor:
+        """Execute a plan up to the hidden states: its books and state operations, then the model over every
+        scheduled token (in plan order). Returns [plan.num_tokens, hidden] (no rows for a plan without tokens)."""
+        self._apply_books(plan)
+        states = self.state_tensors
+        if states is not None:
+            for slot in plan.zero_slots:
+                states.zero(slot)
+            for snapshot, slot in plan.restore_snapshots:
+                states.restore(snapshot, slot)
+        elif plan.zero_slots or plan.restore_snapshots or plan.save_snapshots:
+            raise RuntimeError("the plan has recurrent-state operations but this model keeps no recurrent state")
         ids: list[int] = []
         positions: list[int] = []
-        sample_rows: list[int] = []
-        states: list[SamplingState] = []
-        grammars: list[tuple[int, SequenceGrammar]] = []  # (row among the sampled, its grammar)
-        for s in out.scheduled:
-            req = s.request
-            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            ids.extend(req.token_ids_range(start, end))
-            positions.extend(range(start, end))
+        for s in plan.scheduled:
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start, s.start + s.num_tokens))
+        if ids:
+            meta = self.attention_metadata(plan)
+            hidden = self.model(
+                torch.tensor(ids, device=self.device),
+                torch.tensor(positions, device=self.device),
+                self.kv_caches,
+                meta,
+            )
+        else:
+            hidden = torch.empty(0, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        if states is not None:
+            for slot, snapshot in plan.save_snapshots:
+                states.save(slot, snapshot)
+        return hidden
+
+    @torch.inference_mode()
+    def sample(
+        self, plan: SchedulerOutput, hidden: torch.Tensor, mask: TokenMask | None = None
+    ) -> dict[str, SampleResult]:
+        """The next token of every request that samples in `plan`, from the hidden states `forward` returned;
+        `mask` limits the constrained rows (rows in the order of plan.sampling_ids) to their grammar."""
+        rows: list[int] = []
+        offset = 0
+        for s in plan.scheduled:
+            offset += s.num_tokens
             if s.samples:
-                sample_rows.append(len(ids) - 1)
-                state = self.sampling_states.get(req.request_id)
-                if state is None:
-                    state = SamplingState.create(
-                        req.params, req.prompt_token_ids, req.output_token_ids, req.eos_token_ids, self.device
-                    )
-                    self.sampling_states[req.request_id] = state
-                if req.grammar is not None:
-                    grammars.append((len(states), req.grammar))
-                states.append(state)
-        meta = self.attention_metadata(out, block_tables, state_slots)
-        hidden = self.model(
-            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.kv_caches, meta
-        )
-        if not sample_rows:
+                rows.append(offset - 1)
+        if not rows:
             return {}
-        # Filled on the CPU while a GPU still runs the step's kernels.
-        mask = self.grammar_bitmask.fill(grammars, len(states), self.device) if grammars else None
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        ids = plan.sampling_ids
+        states = [self.requests[rid].sampling for rid in ids]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         results = self.sampler(logits, states, mask)
-        sampling = [s.request.request_id for s in out.scheduled if s.samples]
-        return dict(zip(sampling, results, strict=True))
+        for state, result in zip(states, results, strict=True):
+            state.output_token_ids.append(result.token_id)
+        return dict(zip(ids, results, strict=True))
+
+
+@dataclass(eq=False)
+class _RunnerRequest:
+    """What the runner keeps of a request between plans."""
+
+    block_ids: list[int]
+    sampling: SamplingState

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from hybridserve.engine.protocol import EngineCoreRequest, FinishReason
+from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
 from hybridserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -91,3 +91,18 @@ class Request:
             self.finish(FinishReason.LENGTH)
             return True
         return False
+
+    def output(
+        self, new_ids: list[int], logprobs: list[TokenLogprobs] | None = None, error: str | None = None
+    ) -> EngineCoreOutput:
+        """What the frontend hears of this request after a step: new tokens, and how it ended if it did."""
+        return EngineCoreOutput(
+            request_id=self.request_id,
+            new_token_ids=new_ids,
+            new_logprobs=logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_cached_tokens=self.num_cached_tokens,
+            error=error,
+        )

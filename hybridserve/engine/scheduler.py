@@ -6,37 +6,22 @@ blocks last (a prefill chunk may end early, at a block boundary whose recurrent 
 later prefix hits). There is no prefill/decode phase: a request simply has tokens not yet computed. When
 blocks run out the most recently admitted request is preempted: it gives its blocks back and is
 recomputed later from its prompt plus the tokens it already produced, so its output is unchanged.
+
+`schedule()` writes the step as a plain-data plan (plan.py) for the model runner, and `update(plan, sampled)`
+applies what the runner sampled; in between the scheduler touches no tensor.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.manager import KVCacheManager
-from hybridserve.engine.protocol import FinishReason, SchedulerStats
+from hybridserve.engine.plan import NewRequest, ScheduledRequest, SchedulerOutput
+from hybridserve.engine.protocol import EngineCoreOutput, FinishReason, SchedulerStats
 from hybridserve.engine.request import Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step computes the request's last known token, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+from hybridserve.engine.sampler import SampleResult
 
 
 class Scheduler:
@@ -49,6 +34,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._blocks_sent: dict[str, int] = {}  # per running request: how much of its block table the runner has
+        self.finished_ids: list[str] = []  # ended since the last plan, after the runner had seen them
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -59,7 +46,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        scheduled: list[tuple[Request, int]] = []
+        new: list[NewRequest] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -73,7 +61,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest(req, n))
+                scheduled.append((req, n))
                 budget -= n
                 i += 1
         # Admitting new work right after a preemption would only thrash the cache.
@@ -87,15 +75,58 @@ class Scheduler:
             self.waiting.popleft()
             if req.status is RequestStatus.WAITING:  # first admission, not a resumption
                 req.num_cached_tokens = num_cached
+                new.append(NewRequest(req.request_id, req.prompt_token_ids, req.params, req.eos_token_ids))
             req.move_to(RequestStatus.RUNNING)
             req.num_computed_tokens = num_cached
             self.running.append(req)
-            scheduled.append(ScheduledRequest(req, n))
+            scheduled.append((req, n))
             budget -= n
-        return SchedulerOutput(scheduled)
+        plan = [self._scheduled(req, n) for req, n in scheduled]
+        ops = self.kv.take_ops()
+        finished, self.finished_ids = self.finished_ids, []
+        return SchedulerOutput(plan, new, finished, ops.zero, ops.restore, ops.save)
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        """The plan's entry for `n` tokens of `req`, whose blocks are allocated; books its snapshot."""
+        start = req.num_computed_tokens
+        table = self.kv.block_ids(req.request_id)
+        sent = self._blocks_sent.get(req.request_id)
+        self._blocks_sent[req.request_id] = len(table)
+        slot = self.kv.state_slot(req.request_id) if self.kv.states is not None else -1
+        self.kv.plan_snapshot(req, start + n)
+        return ScheduledRequest(
+            req.request_id,
+            start,
+            req.token_ids_range(start, start + n),
+            table if sent is None else table[sent:],
+            sent is None,
+            start + n == req.num_tokens,
+            slot,
+        )
+
+    def update(self, plan: SchedulerOutput, sampled: Mapping[str, SampleResult]) -> list[EngineCoreOutput]:
+        """Apply an executed plan: its tokens are computed, its snapshots written; each request that sampled
+        takes its token (a grammar that forbids it fails that request), stops where it should, and reports."""
+        for s in plan.scheduled:
+            self.requests[s.request_id].num_computed_tokens += s.num_tokens
+        self.kv.commit_step()
+        outputs = []
+        for rid in plan.sampling_ids:
+            req, result = self.requests[rid], sampled[rid]
+            req.output_token_ids.append(result.token_id)
+            if req.grammar is not None and not req.grammar.accept(result.token_id):  # the mask forbids this
+                outputs.append(self.fail(req, f"grammar rejected sampled token {result.token_id}"))
+                continue
+            req.check_stop()
+            outputs.append(req.output([result.token_id], None if result.logprobs is None else [result.logprobs]))
+        for req in [r for r in self.running if r.status is RequestStatus.FINISHED]:
+            self.running.remove(req)
+            self._release(req, seen=True)
+        return outputs
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        self._blocks_sent.pop(req.request_id, None)  # its blocks are gone: it resumes with a new table
         req.move_to(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
         self.waiting.appendleft(req)
@@ -103,27 +134,30 @@ class Scheduler:
 
     def finish(self, req: Request, reason: FinishReason, stop_reason: int | None = None) -> None:
         """End a request in any state (abort, error) and give its blocks back."""
+        seen = req.status is not RequestStatus.WAITING  # scheduled at least once: the runner holds its state
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if req.status is not RequestStatus.FINISHED:
-            req.finish(reason, stop_reason)
+        req.finish(reason, stop_reason)
+        self._release(req, seen)
+
+    def fail(self, req: Request, error: str) -> EngineCoreOutput:
+        self.finish(req, FinishReason.ERROR)
+        return req.output([], error=error)
+
+    def fail_all(self, error: str) -> list[EngineCoreOutput]:
+        """After a plan failed to execute: end every request with an error. What the step wrote may be half
+        done, so the prefix cache and the snapshots it was to save are forgotten."""
+        self.kv.abandon_step()
+        return [self.fail(req, error) for req in list(self.requests.values())]
+
+    def _release(self, req: Request, seen: bool) -> None:
         self.kv.free(req)
         del self.requests[req.request_id]
-
-    def complete_step(self, output: SchedulerOutput) -> None:
-        """Account for the tokens a step computed (sampled tokens are appended by the caller) and snapshot
-        recurrent state that the step left on a block boundary."""
-        for s in output.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.snapshot(s.request)
-
-    def retire_finished(self) -> None:
-        for req in [r for r in self.running if r.status is RequestStatus.FINISHED]:
-            self.running.remove(req)
-            self.kv.free(req)
-            del self.requests[req.request_id]
+        self._blocks_sent.pop(req.request_id, None)
+        if seen:
+            self.finished_ids.append(req.request_id)
 
     def stats(self) -> SchedulerStats:
         snapshots = self.kv.snapshots

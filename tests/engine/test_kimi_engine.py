@@ -31,7 +31,7 @@ def _llm(hf_dir, **kwargs) -> LLM:
 def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = PARAMS) -> list[list[int]]:
     outs = llm.generate(prompts, params)
     llm.core.check_integrity()
-    states = llm.core.runner.state_pool
+    states = llm.core.kv.states
     assert states is not None and states.num_free == states.num_slots, "finished requests still hold state"
     assert llm.core.kv.usage == 0.0, "finished requests still hold blocks"
     return [o.outputs[0].token_ids for o in outs]

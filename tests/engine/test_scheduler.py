@@ -1,4 +1,4 @@
-"""The scheduler driven by hand, the way EngineCore._step drives it, with fake sampled tokens."""
+"""The scheduler driven by hand with scripted sampled tokens and no model: plans out, `update` in."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.manager import KVCacheManager
 from hybridserve.engine.protocol import EngineCoreRequest, FinishReason, SchedulerStats
 from hybridserve.engine.request import Request, RequestStatus
+from hybridserve.engine.sampler import SampleResult
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.sampling_params import SamplingParams
 
@@ -36,16 +37,14 @@ class Harness:
         """One engine step; returns (request id, tokens scheduled, samples) per scheduled request."""
         plan = self.sched.schedule()
         self.check()
-        done = [(s.request.request_id, s.num_new_tokens, s.samples) for s in plan.scheduled]
-        sampling = [s.request for s in plan.scheduled if s.samples]  # decided before the step runs
-        self.sched.complete_step(plan)
-        for req in sampling:
-            script = self.scripts[req.request_id]
-            req.output_token_ids.append(script.pop(0) if script else 1000 + len(req.output_token_ids))
-            req.check_stop()
-        self.sched.retire_finished()
+        sampled = {}
+        for rid in plan.sampling_ids:
+            script = self.scripts[rid]
+            token = script.pop(0) if script else 1000 + len(self.sched.requests[rid].output_token_ids)
+            sampled[rid] = SampleResult(token, None)
+        self.outputs = self.sched.update(plan, sampled)
         self.check()
-        return done
+        return [(s.request_id, s.num_tokens, s.samples) for s in plan.scheduled]
 
     def check(self) -> None:
         self.kv.check_integrity()
@@ -424,19 +423,16 @@ def test_finish_a_preempted_request() -> None:
     h.check()
 
 
-def test_finish_a_finished_request_keeps_its_reason() -> None:
+def test_a_request_that_finishes_in_a_step_reports_once_and_is_gone() -> None:
+    """update() ends it within the step, so an abort that races its last token finds nothing to end."""
     h = Harness()
     a = h.add("a", prompt(4), max_tokens=1)
-    plan = h.sched.schedule()
-    h.sched.complete_step(plan)
-    a.output_token_ids.append(5)
-    assert a.check_stop()
-    assert a.finish_reason is FinishReason.LENGTH
-    h.sched.finish(a, FinishReason.ABORT)  # an abort that raced the last token
-    assert a.finish_reason is FinishReason.LENGTH
+    h.step()
+    assert (a.status, a.finish_reason) == (RequestStatus.FINISHED, FinishReason.LENGTH)
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in h.outputs] == [("a", [1000], "length")]
     assert h.running() == [] and "a" not in h.sched.requests
     assert h.kv.pool.num_free == h.kv.pool.num_blocks
-    h.sched.retire_finished()
+    assert h.sched.schedule().finished_ids == ["a"]  # the runner is told to forget it
     h.check()
 
 

@@ -49,7 +49,7 @@ def test_prefill_then_32_decode_steps_match_transformers(runner, hf_kimi, n):
     ours = chunked_logits(runner, ids, [n, *range(n + 1, n + DECODE_STEPS + 1)])
     assert (ours - ref).abs().max().item() < TOLERANCE
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    runner.state_pool.check_integrity()
+    runner.check_integrity()
 
 
 def test_chunked_prefill_on_context_matches_transformers(runner, hf_kimi):

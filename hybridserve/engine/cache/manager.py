@@ -11,11 +11,15 @@ and the manager picks the block boundaries worth snapshotting:
 - while decoding, each boundary the request reaches, one snapshot per request that moves forward with it:
   the next turn of a conversation extends this turn's prompt and output.
 
-The scheduler ends a prefill chunk at the request's next snapshot point (`chunk_tokens`); after the step the
-state there is copied (`snapshot`).
+The scheduler ends a prefill chunk at the request's next snapshot point (`chunk_tokens`) and books the copy
+for after the step (`plan_snapshot`). The manager keeps books only: what the step must do to state slots
+(zero a new slot, restore a snapshot into it, save a slot into a snapshot) is collected as `StateOps` for the
+step plan, and the model runner, which owns every tensor, performs it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from hybridserve.engine.cache.block_pool import Block, BlockPool
 from hybridserve.engine.cache.prefix_hash import ROOT_HASH, BlockHash, hash_block
@@ -24,22 +28,34 @@ from hybridserve.engine.cache.state_snapshots import StateSnapshots
 from hybridserve.engine.request import Request
 
 
+@dataclass
+class StateOps:
+    """What the planned step must do to recurrent-state slots, in the step plan's terms."""
+
+    zero: list[int] = field(default_factory=list)  # slots, before the step
+    restore: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, slot), before the step
+    save: list[tuple[int, int]] = field(default_factory=list)  # (slot, snapshot), after the step
+
+
 class KVCacheManager:
     def __init__(
         self,
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool,
-        states: StatePool | None = None,
-        snapshots: StateSnapshots | None = None,
+        num_state_slots: int = 0,
+        num_state_snapshots: int = 0,
     ) -> None:
-        if snapshots is not None and (states is None or snapshots.states is not states):
-            raise ValueError("state snapshots must copy the manager's own state pool")
+        """`num_state_slots` > 0 for models with linear-attention layers; `num_state_snapshots` > 0 lets their
+        prefix hits resume from snapshots (without, they get none)."""
+        if num_state_snapshots and not num_state_slots:
+            raise ValueError("state snapshots need a state pool: num_state_slots must be positive")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.states = states
-        self.snapshots = snapshots
+        self.states = StatePool(num_state_slots) if num_state_slots else None
+        self.snapshots = StateSnapshots(num_state_snapshots) if num_state_snapshots and enable_prefix_caching else None
+        self.ops = StateOps()  # of the step being planned; the scheduler takes them into the plan
         self.req_blocks: dict[str, list[Block]] = {}
         self._req_hashes: dict[str, list[BlockHash]] = {}
         self._snapshot_points: dict[str, list[int]] = {}  # token counts to snapshot at, ascending
@@ -99,20 +115,40 @@ class KVCacheManager:
                 return point - start
         return num_tokens
 
-    def snapshot(self, request: Request) -> None:
-        """After a step: snapshot the request's recurrent state if the step ended on a block boundary (at
-        a snapshot point, kept; elsewhere, replacing the request's previous such snapshot)."""
-        computed = request.num_computed_tokens
+    def plan_snapshot(self, request: Request, computed: int) -> None:
+        """For a step that leaves `computed` tokens of the request in the cache: if that is a block boundary,
+        book a snapshot of its recurrent state for after the step (at a snapshot point, kept; elsewhere,
+        replacing the request's previous such snapshot). Findable once `commit_step` says the step ran."""
         if self.snapshots is None or computed == 0 or computed % self.block_size:
             return
         block_hash = self._hashes(request, computed)[-1]
-        slot = self.state_slot(request.request_id)
         points = self._snapshot_points.get(request.request_id, [])
         if computed in points:
             points.remove(computed)
-            self.snapshots.save(block_hash, slot)
-        elif self.snapshots.save(block_hash, slot, replace=self._rolling.get(request.request_id)):
-            self._rolling[request.request_id] = block_hash
+            snapshot = self.snapshots.reserve(block_hash)
+        else:
+            snapshot = self.snapshots.reserve(block_hash, replace=self._rolling.get(request.request_id))
+            if snapshot is not None:
+                self._rolling[request.request_id] = block_hash
+        if snapshot is not None:
+            self.ops.save.append((self.state_slot(request.request_id), snapshot))
+
+    def take_ops(self) -> StateOps:
+        """The state operations booked for the step being planned; the books start afresh for the next."""
+        ops, self.ops = self.ops, StateOps()
+        return ops
+
+    def commit_step(self) -> None:
+        """The planned step ran: the snapshots it saved are findable."""
+        if self.snapshots is not None:
+            self.snapshots.commit()
+
+    def abandon_step(self) -> None:
+        """The planned step failed: its KV and states may be half written. The prefix cache is forgotten
+        (its blocks were findable before their KV was written) and the snapshots it was to save given back."""
+        self.pool.reset_prefix_cache()
+        if self.snapshots is not None:
+            self.snapshots.abandon()
 
     def allocate(self, request: Request, num_new_tokens: int, cached: list[Block] | None = None) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after `cached` on first allocation).
@@ -131,9 +167,11 @@ class KVCacheManager:
             if states.num_free == 0:
                 return False
             # Zeroed, unless a snapshot gives the state at the end of the prefix hit.
-            slot = states.allocate(request.request_id, zero=not cached)
+            slot = states.allocate(request.request_id)
             if cached:
-                self._restore(cached[-1], slot)
+                self.ops.restore.append((self._snapshot_of(cached[-1]), slot))
+            else:
+                self.ops.zero.append(slot)
         self.pool.touch(cached)
         if cached or not blocks:
             self.prefix_queries += request.num_tokens
@@ -148,10 +186,10 @@ class KVCacheManager:
                 self.pool.cache(block, block_hash)
         return True
 
-    def _restore(self, block: Block, slot: int) -> None:
+    def _snapshot_of(self, block: Block) -> int:
         if self.snapshots is None or block.block_hash is None:
             raise RuntimeError(f"a prefix hit ending at block {block.block_id} has no state snapshot")
-        self.snapshots.restore(block.block_hash, slot)
+        return self.snapshots.restore(block.block_hash)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its tail is evicted before its shared prefix."""
