@@ -7,6 +7,12 @@ prints a markdown table on stdout (progress goes to stderr).
 
   .venv/bin/python benchmarks/serving_compare.py                      # both servers, conc 1,8,32,64
   .venv/bin/python benchmarks/serving_compare.py --servers hybridserve --conc 1,8 --max-tokens 32
+
+Against an earlier hybridserve (a refactoring must not cost speed): check the earlier commit out beside this one
+and name it as the baseline; it runs on this checkout's virtual environment.
+
+  git worktree add ../hybridserve-base <commit>
+  .venv/bin/python benchmarks/serving_compare.py --servers hybridserve,baseline --baseline ../hybridserve-base
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SERVERS = ("hybridserve", "vllm")
-TITLES = {"hybridserve": "hybridserve", "vllm": "vLLM (CPU)"}
+SERVERS = ("hybridserve", "baseline", "vllm")
+TITLES = {"hybridserve": "hybridserve", "baseline": "hybridserve (baseline)", "vllm": "vLLM (CPU)"}
 MODEL = "smollm2"
 SAMPLE_EVERY_S = 0.2
 PROGRESS_EVERY_S = 15.0
@@ -143,9 +149,11 @@ class PeakRss:
 
 def server_command(name: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
-    if name == "hybridserve":
-        exe = str(REPO / ".venv" / "bin" / "hybridserve")
-        return [exe, "serve", "--port", str(args.port), *shlex.split(args.hybridserve_args)], env
+    if name in ("hybridserve", "baseline"):
+        if name == "baseline":  # the earlier tree's package shadows this checkout's editable install
+            env["PYTHONPATH"] = str(args.baseline.resolve())
+        exe = [str(REPO / ".venv" / "bin" / "python"), "-m", "hybridserve.serving.cli"]
+        return [*exe, "serve", "--port", str(args.port), *shlex.split(args.hybridserve_args)], env
     env["PORT"] = str(args.port)
     return ["bash", str(args.bench_dir / "peer-vllm.sh")], env
 
@@ -357,18 +365,20 @@ def _fmt(value: float | None) -> str:
 
 
 def markdown_table(rows: list[Row]) -> str:
-    vllm = {row.conc: row.output_tok_s for row in rows if row.server == "vllm"}
-    both = "hybridserve" in {row.server for row in rows} and bool(vllm)
+    """One row per server and level; with hybridserve in the run, its tok/s over each other server's."""
+    tok_s = {(row.server, row.conc): row.output_tok_s for row in rows}
+    present = {row.server for row in rows}
+    peers = [name for name in SERVERS if name != "hybridserve" and name in present] if "hybridserve" in present else []
     head = ["server", "conc", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "peak RSS MiB", "errors"]
-    head += ["tok/s hybridserve/vLLM"] if both else []
+    head += [f"tok/s hybridserve/{TITLES[peer]}" for peer in peers]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in sorted(rows, key=lambda row: (row.conc, SERVERS.index(row.server))):
         cells = [TITLES[row.server], str(row.conc), _fmt(row.output_tok_s), _fmt(row.ttft_p50_ms)]
         cells += [_fmt(row.ttft_p99_ms), _fmt(row.itl_p50_ms), _fmt(row.peak_rss_mib), f"{row.errors}/{row.requests}"]
-        if both:
-            peer = vllm.get(row.conc)
-            ok = row.server == "hybridserve" and row.output_tok_s and peer
-            cells.append(f"{row.output_tok_s / peer:.2f}×" if ok else "")
+        for peer in peers:
+            other = tok_s.get((peer, row.conc))
+            ok = row.server == "hybridserve" and row.output_tok_s and other
+            cells.append(f"{row.output_tok_s / other:.2f}×" if ok else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -378,7 +388,7 @@ def markdown_table(rows: list[Row]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--servers", default=",".join(SERVERS), help="comma list from: " + ", ".join(SERVERS))
+    p.add_argument("--servers", default="hybridserve,vllm", help="comma list from: " + ", ".join(SERVERS))
     p.add_argument("--conc", default="1,8,32,64", help="concurrency levels, one loadgen run (and RSS peak) each")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (ignore_eos)")
     p.add_argument("--waves", type=int, default=1, help="requests per level = conc * waves")
@@ -388,10 +398,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench-dir", type=Path, default=REPO.parent / "shared" / "bench", help="loadgen + peer scripts")
     p.add_argument("--hybridserve-args", default="", help="extra arguments for `hybridserve serve`, one string")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
+    p.add_argument("--baseline", type=Path, default=None, help="an earlier hybridserve checkout, served as `baseline`")
     args = p.parse_args(argv)
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     if not args.servers or any(s not in SERVERS for s in args.servers):
         p.error(f"--servers: expected a comma list from {', '.join(SERVERS)}, got {','.join(args.servers)!r}")
+    if "baseline" in args.servers and (args.baseline is None or not (args.baseline / "hybridserve").is_dir()):
+        p.error(f"--baseline: server `baseline` needs a hybridserve checkout, got {args.baseline}")
     try:
         args.conc = [int(c) for c in args.conc.split(",")]
     except ValueError:
