@@ -27,6 +27,9 @@ class EngineCoreRequest(msgspec.Struct, frozen=True):
     sampling_params: SamplingParams
     eos_token_ids: list[int]
     arrival_time: float
+    # Lower is served first: a request is admitted after every waiting request of a lower value and preempted
+    # before any running one of a lower value. Online traffic is 0; batch jobs yield to it with a higher value.
+    priority: int = 0
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):

@@ -35,6 +35,7 @@ class Request:
         self.params: SamplingParams = core.sampling_params
         self.eos_token_ids = [] if self.params.ignore_eos else list(core.eos_token_ids)
         self.arrival_time = core.arrival_time
+        self.priority = core.priority
         self.output_token_ids: list[int] = []
         # Tokens whose KV is in the cache (prompt and output alike).
         self.num_computed_tokens = 0

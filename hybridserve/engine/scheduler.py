@@ -1,4 +1,4 @@
-"""Continuous batching with chunked prefill and preemption by recompute, first come first served.
+"""Continuous batching with chunked prefill and preemption by recompute, by priority then first come first served.
 
 Each step has a token budget. Running requests go first (a decode costs one token, an unfinished
 prefill its next chunk), then waiting requests are admitted while budget, sequence slots and KV
@@ -6,6 +6,8 @@ blocks last (a prefill chunk may end early, at a block boundary whose recurrent 
 later prefix hits). There is no prefill/decode phase: a request simply has tokens not yet computed. When
 blocks run out the most recently admitted request is preempted: it gives its blocks back and is
 recomputed later from its prompt plus the tokens it already produced, so its output is unchanged.
+Priorities order both queues: a request waits behind every waiting request of a lower priority value, and
+the running list is kept in (priority, admission) order, so preemption takes the least urgent work first.
 
 `schedule()` writes the step as a plain-data plan (plan.py) for the model runner, and `update(plan, sampled)`
 applies what the runner sampled; in between the scheduler touches no tensor.
@@ -38,8 +40,12 @@ class Scheduler:
         self.finished_ids: list[str] = []  # ended since the last plan, after the runner had seen them
 
     def add(self, request: Request) -> None:
+        """Queue a new request behind every waiting request of its priority or a lower value."""
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].priority > request.priority:
+            i -= 1
+        self.waiting.insert(i, request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -78,7 +84,7 @@ class Scheduler:
                 new.append(NewRequest(req.request_id, req.prompt_token_ids, req.params, req.eos_token_ids))
             req.move_to(RequestStatus.RUNNING)
             req.num_computed_tokens = num_cached
-            self.running.append(req)
+            self._run(req)
             scheduled.append((req, n))
             budget -= n
         plan = [self._scheduled(req, n) for req, n in scheduled]
@@ -124,12 +130,23 @@ class Scheduler:
             self._release(req, seen=True)
         return outputs
 
+    def _run(self, req: Request) -> None:
+        """Admit into the running list after every running request of its priority or a lower value."""
+        i = len(self.running)
+        while i > 0 and self.running[i - 1].priority > req.priority:
+            i -= 1
+        self.running.insert(i, req)
+
     def _preempt(self, req: Request) -> None:
+        """Back to the head of its priority among the waiting: it resumes before newer work of its kind."""
         self.kv.free(req)
         self._blocks_sent.pop(req.request_id, None)  # its blocks are gone: it resumes with a new table
         req.move_to(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
-        self.waiting.appendleft(req)
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].priority < req.priority:
+            i += 1
+        self.waiting.insert(i, req)
         self.num_preemptions += 1
 
     def finish(self, req: Request, reason: FinishReason, stop_reason: int | None = None) -> None:

@@ -27,8 +27,9 @@ class Harness:
         self.max_model_len = max_model_len
         self.scripts: dict[str, list[int]] = {}
 
-    def add(self, rid: str, prompt: list[int], script: Iterable[int] = (), **params) -> Request:
-        req = Request(EngineCoreRequest(rid, prompt, SamplingParams(**params), [EOS], 0.0), self.max_model_len)
+    def add(self, rid: str, prompt: list[int], script: Iterable[int] = (), priority: int = 0, **params) -> Request:
+        core = EngineCoreRequest(rid, prompt, SamplingParams(**params), [EOS], 0.0, priority)
+        req = Request(core, self.max_model_len)
         self.scripts[rid] = list(script)
         self.sched.add(req)
         return req
@@ -299,6 +300,42 @@ def test_preempted_request_goes_before_older_waiting_ones() -> None:
     assert h.step() == [("a", 1, True)]
     assert b.status is RequestStatus.PREEMPTED
     assert h.waiting() == ["b", "c"]
+
+
+# priorities: online work (0) ahead of batch work (1)
+
+
+def test_a_waiting_request_of_lower_priority_value_is_admitted_first() -> None:
+    h = Harness(max_num_seqs=2)
+    h.add("batch-0", prompt(4), priority=1)
+    h.add("batch-1", prompt(4, base=200), priority=1)
+    h.add("online", prompt(4, base=300))
+    h.add("batch-2", prompt(4, base=400), priority=1)
+    assert h.waiting() == ["online", "batch-0", "batch-1", "batch-2"]
+    assert h.step() == [("online", 4, True), ("batch-0", 4, True)]
+    assert h.waiting() == ["batch-1", "batch-2"]
+
+
+def test_batch_work_is_preempted_before_online_work() -> None:
+    h = Harness(num_blocks=3, prefix=False)
+    batch = h.add("batch", prompt(3), priority=1)
+    assert h.step() == [("batch", 3, True)]
+    a = h.add("a", prompt(4, base=200))
+    b = h.add("b", prompt(4, base=300))
+    assert h.step() == [("batch", 1, True), ("a", 4, True), ("b", 4, True)]
+    assert h.running() == ["a", "b", "batch"]  # by priority, then by admission
+    assert h.kv.pool.num_free == 0
+    # Each needs a second block now: the batch request gives its block to a, though the online ones were
+    # admitted after it; then b, the most recent online request, preempts itself.
+    assert h.step() == [("a", 1, True)]
+    assert (a.status, b.status, batch.status) == (
+        RequestStatus.RUNNING,
+        RequestStatus.PREEMPTED,
+        RequestStatus.PREEMPTED,
+    )
+    assert h.waiting() == ["b", "batch"]  # each at the head of its priority
+    h.add("online-late", prompt(1, base=500))
+    assert h.waiting() == ["b", "online-late", "batch"]
 
 
 def test_request_preempting_itself() -> None:
