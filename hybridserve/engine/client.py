@@ -75,7 +75,7 @@ def engine_facts(core: EngineCore, config: EngineConfig) -> EngineFacts:
     return EngineFacts(core.max_model_len, core.runner.vocab_size, core.runner.num_blocks, config.block_size)
 
 
-def step(core: EngineCore) -> EngineCoreOutputs:
+def run_step(core: EngineCore) -> EngineCoreOutputs:
     """One engine step; a step that raises fails the requests in flight (loudly) instead of the engine."""
     try:
         return core.step()
@@ -92,7 +92,7 @@ class InprocEngineClient:
         self.core = core
         self._facts = engine_facts(core, config)
         self._stats = SchedulerStats()
-        self._work = asyncio.Event()
+        self._work: asyncio.Event | None = None  # set by add_request; made by the waiting loop
 
     @property
     def facts(self) -> EngineFacts:
@@ -100,20 +100,21 @@ class InprocEngineClient:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.core.add_request(request)
-        self._work.set()
+        if self._work is not None:
+            self._work.set()
 
     def abort(self, request_ids: list[str]) -> None:
         self.core.abort(request_ids)
 
     def step(self) -> EngineCoreOutputs:
-        outputs = step(self.core)
+        outputs = run_step(self.core)
         if outputs.stats is not None:
             self._stats = outputs.stats
         return outputs
 
     async def get_outputs(self) -> EngineCoreOutputs:
         while not self.core.has_work():
-            self._work.clear()
+            self._work = asyncio.Event()
             await self._work.wait()
         await asyncio.sleep(0)  # let the consumers of the previous batch run first
         return self.step()
@@ -154,7 +155,7 @@ def run_engine_worker(config: EngineConfig, hf_dir: Path, in_addr: str, out_addr
                 core.add_request(msg.request)
             else:
                 core.abort(msg.request_ids)
-        child.outbox.send(encode(step(core)))
+        child.outbox.send(encode(run_step(core)))
     logger.error("engine worker: frontend process %d is gone; exiting", child.parent)
 
 

@@ -77,3 +77,16 @@ def test_closing_generate_early_aborts_the_engine_request(llm: LLM, engine: Asyn
     asyncio.run(main())
     llm.core.check_integrity()
     assert not llm.core.has_work()
+
+
+def test_an_idle_engine_wakes_for_the_next_request(llm: LLM, engine: AsyncLLM):
+    [prompt] = _prompts(llm)[:1]
+
+    async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        first = await _collect(engine, prompt, GREEDY, "first")
+        await asyncio.sleep(0.05)  # the reader is now waiting for work
+        return first, await _collect(engine, prompt, GREEDY, "second")
+
+    first, second = asyncio.run(asyncio.wait_for(main(), 120))
+    assert [o.output.delta_token_ids for o in first] == [o.output.delta_token_ids for o in second]
+    assert second[-1].finished
