@@ -123,7 +123,14 @@ class ChildProcesses:
     def wait_ready(self, inbox: zmq.asyncio.Socket, timeout_s: float) -> dict[str, bytes]:
         """Block (before any event loop runs) until every child has reported ready on `inbox`; what each sent
         (`ChildStarted.info`) by child name. Raises ChildStartupError naming the child when one reports a
-        failure, exits, or time runs out."""
+        failure, exits, or time runs out, after stopping every child."""
+        try:
+            return self._wait_ready(inbox, timeout_s)
+        except ChildStartupError:  # a failed start leaves no child and no socket file behind
+            self.shutdown(lambda _: None)
+            raise
+
+    def _wait_ready(self, inbox: zmq.asyncio.Socket, timeout_s: float) -> dict[str, bytes]:
         sync = zmq.Socket.shadow(inbox.underlying)
         decode = msgspec.msgpack.Decoder(ChildStarted | ChildFailed).decode
         ready: dict[str, bytes] = {}

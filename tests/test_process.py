@@ -90,11 +90,13 @@ def test_ready_handshake_returns_what_the_child_sent_and_shutdown_removes_its_so
     assert not socket_dir.exists()
 
 
-def test_a_start_up_failure_names_the_child_and_its_error():
+def test_a_start_up_failure_names_the_child_and_its_error_and_leaves_nothing_behind():
     children, (_, inbox) = start(fail_at_start, "test-engine")
     try:
         with pytest.raises(ChildStartupError, match=r"^test-engine failed to start: FileNotFoundError: no checkpoint"):
             children.wait_ready(inbox, WAIT_S)
+        assert not any(p.is_alive() for p in children.processes)
+        assert not Path(children.socket_dir).exists()
     finally:
         children.shutdown(lambda _: None)
 
