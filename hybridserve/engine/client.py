@@ -75,18 +75,10 @@ def engine_facts(core: EngineCore, config: EngineConfig) -> EngineFacts:
     return EngineFacts(core.max_model_len, core.runner.vocab_size, core.runner.num_blocks, config.block_size)
 
 
-def run_step(core: EngineCore) -> EngineCoreOutputs:
-    """One engine step; a step that raises fails the requests in flight (loudly) instead of the engine."""
-    try:
-        return core.step()
-    except Exception as exc:
-        logger.exception("engine step failed; failing the requests in flight")
-        return EngineCoreOutputs(core.fail_all(f"engine step failed: {type(exc).__name__}: {exc}"))
-
-
 class InprocEngineClient:
     """The engine core in this process. `get_outputs` runs a step on the caller's thread (so it blocks the
-    event loop while it computes): for tests and the offline API, not for a server."""
+    event loop while it computes): for tests and the offline API, not for a server. A step that raises
+    raises to the caller (the worker process instead fails the requests in flight and goes on)."""
 
     def __init__(self, core: EngineCore, config: EngineConfig) -> None:
         self.core = core
@@ -107,7 +99,7 @@ class InprocEngineClient:
         self.core.abort(request_ids)
 
     def step(self) -> EngineCoreOutputs:
-        outputs = run_step(self.core)
+        outputs = self.core.step()
         if outputs.stats is not None:
             self._stats = outputs.stats
         return outputs
@@ -155,7 +147,12 @@ def run_engine_worker(config: EngineConfig, hf_dir: Path, in_addr: str, out_addr
                 core.add_request(msg.request)
             else:
                 core.abort(msg.request_ids)
-        child.outbox.send(encode(run_step(core)))
+        try:
+            outputs = core.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the requests in flight")
+            outputs = EngineCoreOutputs(core.fail_all(f"engine step failed: {type(exc).__name__}: {exc}"))
+        child.outbox.send(encode(outputs))
     logger.error("engine worker: frontend process %d is gone; exiting", child.parent)
 
 
