@@ -1,7 +1,7 @@
-"""The asyncio front of an engine worker, used by the HTTP server.
+"""The asyncio front of an engine (any EngineClient: in-process, a worker process), used by the HTTP server.
 
 It owns the tokenizer-side work of a request (stop strings, detokenization, logprob text) and the
-fan-out of n choices; the worker sees only token ids. One background task reads the worker's outputs
+fan-out of n choices; the engine sees only token ids. One background task reads the engine's outputs
 and routes them to per-request queues.
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.client import ProcessEngineClient
+from hybridserve.engine.client import EngineClient, ProcessEngineClient
 from hybridserve.engine.fanout import expand
-from hybridserve.engine.output_processor import SequenceOutput
+from hybridserve.engine.output_processor import ChoiceOutputs
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats
 from hybridserve.models.loader import resolve_model
@@ -48,9 +48,11 @@ def model_type(hf_dir: Path) -> str | None:
 
 
 class AsyncLLM:
+    """The frontend of any EngineClient: one reader task routes the engine's outputs by request id."""
+
     def __init__(
         self,
-        client: ProcessEngineClient,
+        client: EngineClient,
         tokenizer: PreTrainedTokenizerBase,
         model_name: str,
         eos_ids: list[int],
@@ -60,16 +62,16 @@ class AsyncLLM:
         self.hf_dir = hf_dir  # the tokenizer's files, for processes that load their own
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.max_model_len = client.ready.max_model_len
+        self.max_model_len = client.facts.max_model_len
         self.eos_token_ids = eos_ids
         self.model_type = model_type(hf_dir)
         self._routes: dict[str, Callable[[EngineCoreOutput], None]] = {}  # engine request id → its reader
-        self._stats = SchedulerStats()
         self._reader: asyncio.Task[None] | None = None
         self._dead: str | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLM:
+        """The server's engine: a worker process."""
         resolved = resolve_model(config.model)
         tokenizer = load_tokenizer(resolved.hf_dir)
         client = ProcessEngineClient(config, resolved.hf_dir)
@@ -77,11 +79,12 @@ class AsyncLLM:
         return cls(client, tokenizer, name, eos_token_ids(resolved.hf_dir, tokenizer), resolved.hf_dir)
 
     def stats(self) -> SchedulerStats:
-        return self._stats
+        return self.client.stats()
 
     async def check_health(self) -> None:
-        if self._dead is not None or not self.client.is_alive():
-            raise RuntimeError(f"engine worker is not running: {self._dead or 'process exited'}")
+        if self._dead is not None:
+            raise RuntimeError(f"engine worker is not running: {self._dead}")
+        await self.client.check_health()
 
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():
@@ -91,17 +94,33 @@ class AsyncLLM:
         try:
             while True:
                 batch = await self.client.get_outputs()
-                if batch.stats is not None:
-                    self._stats = batch.stats
                 for out in batch.outputs:
                     route = self._routes.get(out.request_id)
                     if route is not None:
                         route(out)
-        except Exception as exc:  # the worker died: fail every waiting request, loudly
+        except Exception as exc:  # the engine is gone: fail every waiting request, loudly
             self._dead = str(exc)
             logger.exception("engine output reader stopped")
             for rid, route in list(self._routes.items()):
                 route(EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, error=self._dead))
+
+    async def add_requests(self, requests: list[EngineCoreRequest], route: Callable[[EngineCoreOutput], None]) -> None:
+        """Runs engine requests whose raw outputs go to `route` until `release`. An engine failure reaches
+        `route` as an output with finish reason error. Both generate() and post-processing workers (which
+        turn raw outputs into text themselves) enter the engine here."""
+        await self.check_health()
+        self._ensure_reader()
+        for request in requests:
+            self._routes[request.request_id] = route
+        for request in requests:
+            self.client.add_request(request)
+
+    def release(self, request_ids: list[str], abort: list[str]) -> None:
+        """Stops routing these requests' outputs; the engine also stops its work on those in `abort`."""
+        for rid in request_ids:
+            self._routes.pop(rid, None)
+        if abort:
+            self.client.abort(abort)
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
@@ -109,57 +128,21 @@ class AsyncLLM:
         """Yield updates of every choice until all n have finished. Closing the iterator early aborts
         whatever is still running in the engine."""
         children = expand(request_id, prompt_token_ids, params, self.eos_token_ids, self.max_model_len)
-        await self.check_health()
-        self._ensure_reader()
+        choices = ChoiceOutputs(self.tokenizer, children, self.client.abort)
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
-        seqs = {c.request_id: SequenceOutput(self.tokenizer, c, i) for i, c in enumerate(children)}
-        for rid in seqs:
-            self._routes[rid] = queue.put_nowait
+        await self.add_requests(children, queue.put_nowait)
         try:
-            for child in children:
-                self.client.add_request(child)
-            remaining = len(seqs)
-            while remaining:
+            while not choices.done:
                 out = await queue.get()
-                seq = seqs[out.request_id]
-                if seq.finished:
-                    continue
-                update = seq.update(out)
-                if seq.stopped_by_string:
-                    self.client.abort([out.request_id])
-                if seq.finished:
-                    remaining -= 1
+                update = choices.feed(out)
                 if update is not None:
-                    yield RequestOutput(request_id, out.num_prompt_tokens, out.num_cached_tokens, update, seq.finished)
+                    finished = update.finish_reason is not None
+                    yield RequestOutput(request_id, out.num_prompt_tokens, out.num_cached_tokens, update, finished)
         finally:
-            unfinished = [rid for rid, seq in seqs.items() if not seq.finished]
-            for rid in seqs:
-                self._routes.pop(rid, None)
-            if unfinished:
-                self.client.abort(unfinished)
-
-    async def add_raw_request(self, request: EngineCoreRequest, route: Callable[[EngineCoreOutput], None]) -> None:
-        """Runs one engine request whose raw outputs go to `route` (post-processing workers turn them into
-        text); `release` ends it. An engine failure reaches `route` as an output with finish reason error."""
-        await self.check_health()
-        self._ensure_reader()
-        self._routes[request.request_id] = route
-        self.client.add_request(request)
-
-    def release(self, request_id: str, abort: bool) -> None:
-        """Stops routing a raw request's outputs; `abort` also stops the engine's work on it."""
-        self._routes.pop(request_id, None)
-        if abort:
-            self.client.abort([request_id])
-
-    async def abort(self, request_id: str) -> None:
-        """Abort a request by the id given to generate (all of its choices)."""
-        ids = [rid for rid in self._routes if rid == request_id or rid.startswith(f"{request_id}-")]
-        if ids:
-            self.client.abort(ids)
+            self.release(choices.request_ids, abort=choices.unfinished())
 
     def shutdown(self) -> None:
-        """Stop the worker. Safe after the event loop has closed (the reader task dies with it)."""
+        """Stop the engine. Safe after the event loop has closed (the reader task dies with it)."""
         try:
             if self._reader is not None and not self._reader.get_loop().is_closed():
                 self._reader.cancel()

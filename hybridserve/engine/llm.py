@@ -7,9 +7,10 @@ from collections.abc import Sequence
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.async_llm import eos_token_ids
+from hybridserve.engine.client import InprocEngineClient
 from hybridserve.engine.core import EngineCore
 from hybridserve.engine.fanout import expand
-from hybridserve.engine.output_processor import SequenceOutput
+from hybridserve.engine.output_processor import ChoiceOutputs
 from hybridserve.engine.outputs import Completion, CompletionOutput, FinalOutput, Logprob
 from hybridserve.models.loader import resolve_model
 from hybridserve.sampling_params import SamplingParams
@@ -24,6 +25,7 @@ class LLM:
         self.tokenizer = load_tokenizer(resolved.hf_dir)
         self.eos_token_ids = eos_token_ids(resolved.hf_dir, self.tokenizer)
         self.core = EngineCore(config, resolved.hf_dir)
+        self.client = InprocEngineClient(self.core, config)
         self._ids = itertools.count()
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
@@ -37,43 +39,40 @@ class LLM:
     ) -> list[FinalOutput]:
         """Run every prompt to completion, all batched together; results in prompt order."""
         params = params or SamplingParams()
-        finals: list[FinalOutput] = []
-        seqs: dict[str, tuple[SequenceOutput, FinalOutput, list[int], list[Logprob]]] = {}
+        requests: list[tuple[FinalOutput, ChoiceOutputs]] = []
         for prompt in prompts:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             final = FinalOutput(f"offline-{next(self._ids)}", ids, 0)
-            finals.append(final)
-            for i, child in enumerate(
-                expand(final.request_id, ids, params, self.eos_token_ids, self.core.max_model_len)
-            ):
-                seqs[child.request_id] = (SequenceOutput(self.tokenizer, child, i), final, [], [])
-                self.core.add_request(child)
-        pending = set(seqs)
-        while pending:
-            for out in self.core.step().outputs:
-                seq, final, token_ids, logprobs = seqs[out.request_id]
-                if seq.finished:
+            children = expand(final.request_id, ids, params, self.eos_token_ids, self.client.facts.max_model_len)
+            requests.append((final, ChoiceOutputs(self.tokenizer, children, self.client.abort)))
+            for child in children:
+                self.client.add_request(child)
+        owner = {rid: (final, choices) for final, choices in requests for rid in choices.request_ids}
+        token_ids: dict[str, list[int]] = {rid: [] for rid in owner}
+        logprobs: dict[str, list[Logprob]] = {rid: [] for rid in owner}
+        while not all(choices.done for _, choices in requests):
+            for out in self.client.step().outputs:
+                final, choices = owner[out.request_id]
+                update = choices.feed(out)
+                if update is None:
                     continue
-                update = seq.update(out)
-                final.num_cached_tokens = max(final.num_cached_tokens, out.num_cached_tokens)
-                if update is not None:
-                    token_ids.extend(update.delta_token_ids)
-                    logprobs.extend(update.delta_logprobs or [])
-                if seq.stopped_by_string:
-                    self.core.abort([out.request_id])
-                if seq.finished:
-                    pending.discard(out.request_id)
-                    final.outputs.append(_completion(update, token_ids, logprobs, params.logprobs is not None))
-        for final in finals:
+                token_ids[out.request_id].extend(update.delta_token_ids)
+                logprobs[out.request_id].extend(update.delta_logprobs or [])
+                if update.finish_reason is not None:
+                    wants_logprobs = params.logprobs is not None
+                    completion = _completion(
+                        update, token_ids[out.request_id], logprobs[out.request_id], wants_logprobs
+                    )
+                    final.outputs.append(completion)
+        for final, choices in requests:
+            final.num_cached_tokens = choices.num_cached_tokens
             final.outputs.sort(key=lambda o: o.index)
-        return finals
+        return [final for final, _ in requests]
 
 
 def _completion(
-    last: CompletionOutput | None, token_ids: list[int], logprobs: list[Logprob], wants_logprobs: bool
+    last: CompletionOutput, token_ids: list[int], logprobs: list[Logprob], wants_logprobs: bool
 ) -> Completion:
-    if last is None:
-        raise RuntimeError("a sequence finished without a final update")
     return Completion(
         last.index,
         last.text,

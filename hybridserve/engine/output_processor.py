@@ -6,6 +6,8 @@ caller then aborts the engine request) and where logprobs get their token text a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from transformers import PreTrainedTokenizerBase
 
 from hybridserve.engine.outputs import CompletionOutput, Logprob, TopLogprob
@@ -150,3 +152,44 @@ class SequenceOutput:
             lp.logprob,
             top,
         )
+
+
+class ChoiceOutputs:
+    """The sequences of one request (its n choices, one engine request each): every engine output goes to
+    its sequence, an engine request a stop string ended is aborted through `abort`, and `done` says when
+    every choice has finished. Outputs of a finished sequence are ignored."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        requests: list[EngineCoreRequest],
+        abort: Callable[[list[str]], None],
+    ) -> None:
+        self._seqs = {r.request_id: SequenceOutput(tokenizer, r, i) for i, r in enumerate(requests)}
+        self._abort = abort
+        self._running = len(self._seqs)
+        self.num_cached_tokens = 0  # the most any of its engine requests found cached
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._seqs)
+
+    @property
+    def done(self) -> bool:
+        return self._running == 0
+
+    def unfinished(self) -> list[str]:
+        return [rid for rid, seq in self._seqs.items() if not seq.finished]
+
+    def feed(self, out: EngineCoreOutput) -> CompletionOutput | None:
+        """The update `out` makes to its sequence (None: nothing to report yet)."""
+        seq = self._seqs[out.request_id]
+        if seq.finished:
+            return None
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        update = seq.update(out)
+        if seq.stopped_by_string:
+            self._abort([out.request_id])
+        if seq.finished:
+            self._running -= 1
+        return update

@@ -84,19 +84,10 @@ class Shutdown(msgspec.Struct, frozen=True, array_like=True, tag=True):
 EngineInput = AddRequest | AbortRequests | Shutdown
 
 
-class EngineReady(msgspec.Struct, frozen=True, array_like=True, tag=True):
-    """First message from a worker process once the model and cache are loaded."""
+class EngineFacts(msgspec.Struct, frozen=True, array_like=True):
+    """What the frontend needs to know about a loaded engine; a worker sends it with its ready message."""
 
     max_model_len: int
     vocab_size: int
     num_kv_blocks: int
     block_size: int
-
-
-class EngineFailed(msgspec.Struct, frozen=True, array_like=True, tag=True):
-    """The worker process cannot go on (start-up failed or the busy loop died)."""
-
-    error: str
-
-
-EngineMessage = EngineReady | EngineFailed | EngineCoreOutputs

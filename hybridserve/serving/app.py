@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions import ServingExtension, extension_for
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.chat import ChatService
@@ -45,7 +46,7 @@ def version() -> str:
 
 
 def build_app(
-    engine,
+    engine: ServingEngine,
     api_key: str | None,
     data_dir: str | Path | None = None,
     retention: Retention | None = None,
@@ -53,7 +54,7 @@ def build_app(
     postprocess: PostprocessPool | None = None,
     extension: ServingExtension | None = None,
 ) -> FastAPI:
-    """An app serving `engine` (an AsyncLLM); with `api_key`, every /v1 route requires that Bearer token.
+    """An app serving `engine` (e.g. an AsyncLLM); with `api_key`, every /v1 route requires that Bearer token.
 
     Stored state (the response store) lives in one SQLite file under `data_dir`; None keeps it in memory.
     `retention` bounds the stored responses by count and age (default: Retention()). `parsers` reads

@@ -16,12 +16,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing
-import os
-import tempfile
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +25,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from hybridserve.engine.client import _die_with_parent, connect_worker
-from hybridserve.engine.output_processor import SequenceOutput
+from hybridserve.engine.output_processor import ChoiceOutputs
 from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from hybridserve.process import ChildEnd, ChildProcesses
+from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
 from hybridserve.serving.openai.generation import RunAccounting, engine_failure, usage_body
@@ -73,10 +70,6 @@ class Stop(msgspec.Struct, frozen=True, array_like=True, tag=True):
 WorkerInput = ResponseJob | Forward | Drop | Stop
 
 
-class WorkerReady(msgspec.Struct, frozen=True, array_like=True, tag=True):
-    pass
-
-
 class Processed(msgspec.Struct, frozen=True, array_like=True):
     """What a worker made of one engine output (or of a job's start: no tokens yet)."""
 
@@ -103,8 +96,8 @@ class _Job:
     def __init__(self, tokenizer, job: ResponseJob) -> None:
         self.request_id = job.request.request_id
         self.prompt_tokens = len(job.request.prompt_token_ids)
-        self.cached_tokens = 0
-        self.seq = SequenceOutput(tokenizer, job.request, 0)
+        self._stopped: list[str] = []  # a stop string ended it: the frontend aborts the engine request
+        self.choice = ChoiceOutputs(tokenizer, [job.request], self._stopped.extend)
         parser = output_parser(job.parsers, job.prompt_text, job.tools)
         logprobs = job.request.sampling_params.logprobs is not None
         self.formatter = ResponseFormatter(job.base, parser, job.stream, logprobs=logprobs)
@@ -112,9 +105,12 @@ class _Job:
     def start(self) -> Processed:
         return Processed(self.request_id, b"".join(self.formatter.start()))
 
+    @property
+    def cached_tokens(self) -> int:
+        return self.choice.num_cached_tokens
+
     def feed(self, out: EngineCoreOutput) -> Processed | None:
-        self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
-        update = self.seq.update(out)
+        update = self.choice.feed(out)
         if update is None:
             return None
         counts = {
@@ -122,7 +118,7 @@ class _Job:
             "output_tokens": update.num_output_tokens,
             "cached_tokens": self.cached_tokens,
             "finish_reason": update.finish_reason,
-            "abort_engine": self.seq.stopped_by_string,
+            "abort_engine": bool(self._stopped),
         }
         usage = usage_body(self.prompt_tokens, update.num_output_tokens, self.cached_tokens)
         if update.finish_reason in ("error", "abort"):
@@ -141,15 +137,19 @@ def run_postprocess_worker(hf_dir: Path, in_addr: str, out_addr: str) -> None:
     """Entry point of a post-processing worker process. It never outlives the frontend that started it."""
     from hybridserve.tokenizer import load_tokenizer
 
-    parent = os.getppid()
-    _die_with_parent()
-    tokenizer = load_tokenizer(hf_dir)
-    inbox, outbox = connect_worker(in_addr, out_addr)
+    child = ChildEnd(in_addr, out_addr)
+    try:
+        tokenizer = load_tokenizer(hf_dir)
+    except Exception as exc:
+        logger.exception("post-processing worker start-up failed")
+        child.failed(exc)
+        return
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(WorkerInput).decode
-    outbox.send(encode(WorkerReady()))
+    child.ready()
+    inbox, outbox = child.inbox, child.outbox
     jobs: dict[str, _Job] = {}
-    while os.getppid() == parent:
+    while not child.orphaned():
         if not inbox.poll(_POLL_MS):
             continue
         msg = decode(inbox.recv())
@@ -233,50 +233,21 @@ class PostprocessPool:
     def __init__(self, hf_dir: Path, num_workers: int) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
-        base = Path(tempfile.gettempdir()) / f"hybridserve-post-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._addrs = [f"ipc://{base}-in{k}" for k in range(num_workers)] + [f"ipc://{base}-out"]
-        self._sync_ctx = zmq.Context()
+        self._children = ChildProcesses("postprocess")
+        self._from_workers, out_addr = self._children.bind_pull("out")
         encode = msgspec.msgpack.Encoder().encode
-        self._outboxes = []
-        for addr in self._addrs[:-1]:
-            sock = self._sync_ctx.socket(zmq.PUSH)
-            sock.bind(addr)
+        self._outboxes: list[_Outbox] = []
+        for k in range(num_workers):
+            sock, in_addr = self._children.bind_push(f"in{k}")
             self._outboxes.append(_Outbox(sock, encode))
-        self._ctx = zmq.asyncio.Context()
-        self._from_workers = self._ctx.socket(zmq.PULL)
-        self._from_workers.bind(self._addrs[-1])
-        self._decode = msgspec.msgpack.Decoder(Results | WorkerReady).decode
-        spawn = multiprocessing.get_context("spawn")
-        self.processes = [
-            spawn.Process(
-                target=run_postprocess_worker,
-                args=(hf_dir, addr, self._addrs[-1]),
-                name=f"hybridserve-postprocess-{k}",
-                daemon=True,
-            )
-            for k, addr in enumerate(self._addrs[:-1])
-        ]
-        for process in self.processes:
-            process.start()
-        self._wait_ready()
+            self._children.spawn(run_postprocess_worker, (hf_dir, in_addr, out_addr), f"hybridserve-postprocess-{k}")
+        # Every worker has loaded its tokenizer and connected before the server starts, so no send waits.
+        self._children.wait_ready(self._from_workers, STARTUP_TIMEOUT_S)
+        self.processes = self._children.processes
+        self._decode = msgspec.msgpack.Decoder(Results).decode
         self._next = itertools.cycle(range(num_workers))
         self._tickets: dict[str, _Ticket] = {}
         self._reader: asyncio.Task[None] | None = None
-
-    def _wait_ready(self) -> None:
-        """Blocks (before any event loop runs) until every worker has loaded its tokenizer and connected, so
-        no send ever waits for a peer."""
-        sync = zmq.Socket.shadow(self._from_workers.underlying)
-        ready = 0
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while ready < len(self.processes):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"post-processing workers did not start within {STARTUP_TIMEOUT_S:.0f}s")
-            if sync.poll(_POLL_MS):
-                ready += isinstance(self._decode(sync.recv()), WorkerReady)
-            for process in self.processes:
-                if not process.is_alive():
-                    raise RuntimeError(f"{process.name} exited during start-up (exit code {process.exitcode})")
 
     def submit(self, job: ResponseJob) -> _Ticket:
         """Sends `job` to the next worker; the ticket forwards its engine outputs and receives its results."""
@@ -301,8 +272,6 @@ class PostprocessPool:
                 self._fail_orphans()
                 continue
             msg = self._decode(await self._from_workers.recv())
-            if isinstance(msg, WorkerReady):
-                continue
             for item in msg.items:
                 ticket = self._tickets.get(item.request_id)
                 if ticket is not None:
@@ -318,21 +287,13 @@ class PostprocessPool:
                 ticket.results.put_nowait(Processed(rid, b"", finish_reason="error", error=error))
 
     def shutdown(self) -> None:
-        for outbox, process in zip(self._outboxes, self.processes, strict=True):
-            if process.is_alive():
-                with contextlib.suppress(RuntimeError):
-                    outbox.send(Stop())
-        for process in self.processes:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
         if self._reader is not None and not self._reader.get_loop().is_closed():
             self._reader.cancel()
-        self._ctx.destroy(linger=0)
-        self._sync_ctx.destroy(linger=0)
-        for addr in self._addrs:
-            Path(addr.removeprefix("ipc://")).unlink(missing_ok=True)
+        self._children.shutdown(self._stop)
+
+    def _stop(self, process: BaseProcess) -> None:
+        with contextlib.suppress(RuntimeError):  # its pipe is full or gone: the join's kill ends it
+            self._outboxes[self.processes.index(process)].send(Stop())
 
 
 class PooledResponseRun:
@@ -340,7 +301,7 @@ class PooledResponseRun:
 
     def __init__(
         self,
-        engine,
+        engine: ServingEngine,
         pool: PostprocessPool,
         metrics: ServingMetrics,
         arrival: float,
@@ -364,11 +325,11 @@ class PooledResponseRun:
         outcome: str | None = "abort"  # what the response counts as if we leave early
         try:
             ticket = self.pool.submit(self.job)
-            await self.engine.add_raw_request(self.job.request, ticket.forward)
+            await self.engine.add_requests([self.job.request], ticket.forward)
             while not ended:
                 msg = await ticket.results.get()
                 if msg.abort_engine:
-                    self.engine.release(rid, abort=True)
+                    self.engine.release([rid], abort=[rid])
                 if msg.final is None and msg.error is not None:  # the worker itself is gone
                     raise RuntimeError(msg.error)
                 reason = msg.finish_reason
@@ -395,7 +356,7 @@ class PooledResponseRun:
             yield event("error", code=error.code or error.type, message=error.message, param=error.param)
             yield event("response.failed", response=self.final)
         finally:
-            self.engine.release(rid, abort=not ended)
+            self.engine.release([rid], abort=[] if ended else [rid])
             if ticket is not None:
                 self.pool.close(ticket, unfinished=not ended)
             self.accounting.close(outcome)

@@ -1,4 +1,4 @@
-"""A scripted test double of `hybridserve.engine.async_llm.AsyncLLM` for testing the HTTP layer exactly.
+"""A scripted `ServingEngine` (what AsyncLLM is to the HTTP layer), for testing the HTTP layer exactly.
 
 Every sequence replays `scripts[index % len(scripts)]`, one token per step (sequences interleave), with a
 real tokenizer for the text. A multi-turn test queues one script per call in `turns`: each generate() call
@@ -65,10 +65,11 @@ class FakeEngine:
         if self.dead:
             raise RuntimeError("engine process exited with code 1")
 
-    async def add_raw_request(self, request: EngineCoreRequest, route) -> None:
+    async def add_requests(self, requests: list[EngineCoreRequest], route) -> None:
         """The raw-output path (post-processing workers): the script's tokens as engine outputs, one per step."""
-        self.calls.append((request.prompt_token_ids, request.sampling_params, request.request_id))
-        self._raw[request.request_id] = asyncio.create_task(self._replay(request, route))
+        for request in requests:
+            self.calls.append((request.prompt_token_ids, request.sampling_params, request.request_id))
+            self._raw[request.request_id] = asyncio.create_task(self._replay(request, route))
 
     async def _replay(self, request: EngineCoreRequest, route) -> None:
         script = self.scripts[0]
@@ -104,14 +105,12 @@ class FakeEngine:
         finally:
             self.running -= 1
 
-    def release(self, request_id: str, abort: bool) -> None:
-        task = self._raw.pop(request_id, None)
-        if abort and task is not None and not task.done():
-            task.cancel()
-            self.aborted.append(request_id)
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
+    def release(self, request_ids: list[str], abort: list[str]) -> None:
+        for request_id in request_ids:
+            task = self._raw.pop(request_id, None)
+            if request_id in abort and task is not None and not task.done():
+                task.cancel()
+                self.aborted.append(request_id)
 
     def shutdown(self) -> None:
         pass

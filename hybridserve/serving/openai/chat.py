@@ -15,6 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions.base import ServingExtension
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import json_response
@@ -29,7 +30,9 @@ from hybridserve.serving.parsers.base import merged
 
 
 class ChatService:
-    def __init__(self, engine, metrics: ServingMetrics, parsers: Parsers, extension: ServingExtension) -> None:
+    def __init__(
+        self, engine: ServingEngine, metrics: ServingMetrics, parsers: Parsers, extension: ServingExtension
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.parsers = parsers

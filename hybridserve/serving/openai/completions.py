@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from hybridserve.engine.outputs import Logprob
+from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import APIError, json_response
 from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, stream_frame
@@ -19,7 +20,7 @@ from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_discon
 
 
 class CompletionService:
-    def __init__(self, engine, metrics: ServingMetrics) -> None:
+    def __init__(self, engine: ServingEngine, metrics: ServingMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
         self.tokenizer = engine.tokenizer

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from hybridserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling_params import InvalidParameter, SamplingParams
+from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, invalid_parameter
 from hybridserve.serving.openai.sse import SSE_DONE, aclose, sse_event
@@ -141,7 +142,7 @@ class GenerationRun:
 
     def __init__(
         self,
-        engine,
+        engine: ServingEngine,
         metrics: ServingMetrics,
         request_id: str,
         prompts: list[list[int]],

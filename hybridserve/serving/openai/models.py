@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 
+from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.openai.errors import model_not_found
 
 
 class ModelsService:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: ServingEngine) -> None:
         self.engine = engine
         self.created = int(time.time())
 
@@ -29,7 +30,7 @@ class ModelsService:
         return self.card()
 
 
-def check_model(engine, model: str | None) -> None:
+def check_model(engine: ServingEngine, model: str | None) -> None:
     """A request may omit `model`; naming another model is a 404."""
     if model is not None and model != engine.model_name:
         raise model_not_found(model)

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from hybridserve.engine.fanout import expand
+from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions.base import ServingExtension
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import APIError, json_response
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 class ResponsesService:
     def __init__(
         self,
-        engine,
+        engine: ServingEngine,
         metrics: ServingMetrics,
         store: ResponseStore,
         parsers: Parsers,

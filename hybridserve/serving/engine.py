@@ -1,0 +1,43 @@
+"""What the serving layer needs of its engine. `hybridserve.engine.async_llm.AsyncLLM` is one, over any
+EngineClient (in-process, a worker process, a router); the HTTP tests use a scripted one."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from transformers import PreTrainedTokenizerBase
+
+from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from hybridserve.sampling_params import SamplingParams
+
+
+class ServingEngine(Protocol):
+    model_name: str
+    model_type: str | None  # the checkpoint's model_type: it chooses the serving extension
+    tokenizer: PreTrainedTokenizerBase
+    max_model_len: int
+    eos_token_ids: list[int]
+
+    def stats(self) -> SchedulerStats: ...
+
+    async def check_health(self) -> None:
+        """Raises saying why when the engine cannot serve."""
+        ...
+
+    def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Updates of every choice until all have finished; closing it early aborts what still runs."""
+        ...
+
+    async def add_requests(self, requests: list[EngineCoreRequest], route: Callable[[EngineCoreOutput], None]) -> None:
+        """Runs engine requests whose raw outputs go to `route` until `release`."""
+        ...
+
+    def release(self, request_ids: list[str], abort: list[str]) -> None:
+        """Stops routing these requests' outputs; the engine also stops its work on those in `abort`."""
+        ...
+
+    def shutdown(self) -> None: ...

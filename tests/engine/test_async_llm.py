@@ -1,0 +1,92 @@
+"""AsyncLLM over the in-process EngineClient: the server's frontend without a worker process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hybridserve.engine.async_llm import AsyncLLM
+from hybridserve.engine.client import InprocEngineClient
+from hybridserve.engine.llm import LLM
+from hybridserve.engine.outputs import RequestOutput
+from hybridserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir) -> LLM:
+    return LLM(str(smollm2_dir), dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def engine(llm: LLM, smollm2_dir) -> AsyncLLM:
+    """The offline LLM's engine core behind the server's frontend (one core, used by one at a time)."""
+    client = InprocEngineClient(llm.core, llm.config)
+    return AsyncLLM(client, llm.tokenizer, "smollm2", llm.eos_token_ids, smollm2_dir)
+
+
+async def _collect(engine: AsyncLLM, prompt: list[int], params: SamplingParams, rid: str) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params, rid)]
+
+
+def _prompts(llm: LLM) -> list[list[int]]:
+    return [llm.chat_prompt([{"role": "user", "content": text}]) for text in ("Hi!", "Name a colour.", "2+2?")]
+
+
+def test_greedy_tokens_equal_the_offline_api(llm: LLM, engine: AsyncLLM):
+    prompts = _prompts(llm)
+    expected = [final.outputs[0].token_ids for final in llm.generate(prompts, GREEDY)]
+
+    async def main() -> list[list[RequestOutput]]:
+        runs = [_collect(engine, p, GREEDY, f"req-{i}") for i, p in enumerate(prompts)]
+        return await asyncio.gather(*runs)
+
+    results = asyncio.run(main())
+    for outs, want in zip(results, expected, strict=True):
+        assert [t for out in outs for t in out.output.delta_token_ids] == want
+        assert outs[-1].finished and outs[-1].output.finish_reason == "length"
+    llm.core.check_integrity()
+    assert engine.stats().num_running == 0
+
+
+def test_fan_out_and_a_stop_string_end_like_the_offline_api(llm: LLM, engine: AsyncLLM):
+    """n=2 choices (seeded) and a stop string: the same texts as LLM.generate, and the engine requests the
+    stop string ended are aborted."""
+    [prompt] = _prompts(llm)[:1]
+    params = SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=16, stop=["e"])
+    [offline] = llm.generate([prompt], params)
+    outs = asyncio.run(_collect(engine, prompt, params, "fan"))
+    texts = {out.output.index: out.output.text for out in outs if out.finished}
+    assert texts == {c.index: c.text for c in offline.outputs}
+    assert {out.output.finish_reason for out in outs if out.finished} == {c.finish_reason for c in offline.outputs}
+    llm.core.check_integrity()
+    assert not llm.core.has_work()
+
+
+def test_closing_generate_early_aborts_the_engine_request(llm: LLM, engine: AsyncLLM):
+    [prompt] = _prompts(llm)[:1]
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main() -> None:
+        stream = engine.generate(prompt, params, "early")
+        await anext(stream)
+        await stream.aclose()
+
+    asyncio.run(main())
+    llm.core.check_integrity()
+    assert not llm.core.has_work()
+
+
+def test_an_idle_engine_wakes_for_the_next_request(llm: LLM, engine: AsyncLLM):
+    [prompt] = _prompts(llm)[:1]
+
+    async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        first = await _collect(engine, prompt, GREEDY, "first")
+        await asyncio.sleep(0.05)  # the reader is now waiting for work
+        return first, await _collect(engine, prompt, GREEDY, "second")
+
+    first, second = asyncio.run(asyncio.wait_for(main(), 120))
+    assert [o.output.delta_token_ids for o in first] == [o.output.delta_token_ids for o in second]
+    assert second[-1].finished
