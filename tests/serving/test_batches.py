@@ -3,15 +3,18 @@ expiry, resume after a crash, limits, and a 20k-line input validated in bounded 
 
 import json
 import logging
+import sys
 import threading
 import time
 import tracemalloc
+import types
 from pathlib import Path
 
 import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from hybridserve.serving import cli
 from hybridserve.serving.app import build_app
 from hybridserve.serving.openai.batches.runner import BatchSettings
 from hybridserve.serving.openai.batches.store import BatchStore
@@ -475,3 +478,31 @@ def test_20k_lines_validate_in_bounded_memory(tmp_path: Path):
     assert result.total == 20_001
     assert [(e["line"], e["code"]) for e in result.errors] == [(20_001, "duplicate_custom_id")]
     assert size > 7_000_000 and peak < 256 * 1024, (peak, size)  # nothing grows with the number of lines
+
+
+def test_cli_flags_reach_the_batch_settings(monkeypatch, tokenizer, capsys):
+    seen = {}
+
+    class AsyncLLM:
+        @classmethod
+        def from_config(cls, config):
+            return FakeEngine(tokenizer, [PARIS])
+
+    def fake_build_app(*args, batch_settings):
+        seen["settings"] = batch_settings
+        raise SystemExit(0)
+
+    module = types.ModuleType("hybridserve.engine.async_llm")
+    module.AsyncLLM = AsyncLLM
+    monkeypatch.setitem(sys.modules, "hybridserve.engine.async_llm", module)
+    monkeypatch.setattr("hybridserve.serving.app.build_app", fake_build_app)
+    flags = ["--max-upload-bytes", "2MiB", "--batch-max-lines", "7", "--max-active-batches", "3"]
+    with pytest.raises(SystemExit):
+        cli.main(["serve", *flags, "--batch-max-requests-in-flight", "5"])
+    assert seen["settings"] == BatchSettings(
+        max_upload_bytes=2 * 1024 * 1024, max_lines=7, max_active_batches=3, max_requests_in_flight=5
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--max-active-batches", "0"])
+    assert exit_info.value.code == 2
+    assert "--max-active-batches: must be at least 1, got 0" in capsys.readouterr().err
