@@ -6,6 +6,7 @@ import signal
 import time
 
 import openai
+import pytest
 
 from .test_e2e_server import KEY, QUESTION, running_server
 
@@ -20,6 +21,7 @@ def poll(client: openai.OpenAI, batch_id: str, done, timeout: float = 240):
     return batch
 
 
+@pytest.mark.slow  # two server start-ups and sixteen real generations: about 1-2 minutes on 2 cores
 def test_kill_9_mid_batch_then_resume(tmp_path):
     body = {"messages": QUESTION, "max_tokens": 24, "temperature": 0}
     data = "".join(
