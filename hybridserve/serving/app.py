@@ -17,6 +17,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions import ServingExtension, extension_for
 from hybridserve.serving.metrics import ServingMetrics
+from hybridserve.serving.openai.batches.protocol import BatchEndpoint
+from hybridserve.serving.openai.batches.routes import add_files_and_batches
+from hybridserve.serving.openai.batches.runner import BatchSettings
 from hybridserve.serving.openai.chat import ChatService
 from hybridserve.serving.openai.completions import CompletionService
 from hybridserve.serving.openai.errors import (
@@ -34,8 +37,7 @@ from hybridserve.serving.openai.responses.service import ResponsesService
 from hybridserve.serving.openai.responses.store import ResponseStore, Retention
 from hybridserve.serving.parsers import Parsers
 from hybridserve.serving.postprocess import PostprocessPool
-
-DATABASE_FILE = "hybridserve.sqlite3"
+from hybridserve.serving.storage import DATABASE_FILE, Database
 
 
 def version() -> str:
@@ -53,6 +55,7 @@ def build_app(
     parsers: Parsers | None = None,
     postprocess: PostprocessPool | None = None,
     extension: ServingExtension | None = None,
+    batch_settings: BatchSettings | None = None,
 ) -> FastAPI:
     """An app serving `engine` (e.g. an AsyncLLM); with `api_key`, every /v1 route requires that Bearer token.
 
@@ -61,9 +64,11 @@ def build_app(
     reasoning and tool calls out of the output (default: what the model's chat template shows).
     `postprocess` (owned by the caller) takes the Responses API's text and event work off the event loop.
     `extension` handles model-specific requests (default: the one registered for the engine's model_type).
+    `batch_settings` bounds the Files and Batch APIs (default: BatchSettings()); file bytes live under `data_dir`.
     """
     metrics = ServingMetrics(engine.model_name, engine.stats)
-    store = ResponseStore(":memory:" if data_dir is None else Path(data_dir) / DATABASE_FILE, retention)
+    db = Database(":memory:" if data_dir is None else Path(data_dir) / DATABASE_FILE)
+    store = ResponseStore(db, retention)
     if extension is None:
         extension = extension_for(engine.model_type)
     if parsers is None:
@@ -75,9 +80,11 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        files_and_batches.start()  # resumes the batches a previous server left unfinished
         yield
+        await files_and_batches.stop()  # batches stay resumable
         await responses.background.shutdown()  # what still runs is stored as cancelled
-        store.close()  # flushes the WAL into the database file
+        db.close()  # flushes the WAL into the database file
 
     app = FastAPI(title="hybridserve", version=version(), lifespan=lifespan)
     app.state.engine = engine
@@ -144,6 +151,14 @@ def build_app(
     async def list_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None):
         return json_response(responses.input_items(response_id, limit, order, after))
 
+    batch_endpoints = {
+        "/v1/chat/completions": BatchEndpoint(ChatCompletionRequest, chat.create),
+        "/v1/completions": BatchEndpoint(CompletionRequest, completions.create),
+        "/v1/responses": BatchEndpoint(ResponsesRequest, responses.create),
+    }
+    files_and_batches = add_files_and_batches(
+        app, db, data_dir, batch_endpoints, metrics, batch_settings or BatchSettings()
+    )
     return app
 
 

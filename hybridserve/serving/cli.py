@@ -14,6 +14,7 @@ import uvicorn
 
 from hybridserve.config import DTYPES, EngineConfig
 from hybridserve.sampling_params import InvalidParameter
+from hybridserve.serving.openai.batches.runner import BatchSettings
 from hybridserve.serving.openai.responses.store import Retention
 from hybridserve.serving.parsers.reasoning import REASONING_PARSERS
 from hybridserve.serving.parsers.tools import TOOL_PARSERS
@@ -152,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-dir",
         type=Path,
         default=default_data_dir(),
-        help="directory of the SQLite database holding stored responses ($HYBRIDSERVE_DATA_DIR overrides the default)",
+        help="directory of the SQLite database (stored responses, files, batches) and of uploaded and batch files "
+        "($HYBRIDSERVE_DATA_DIR overrides the default)",
     )
     serve.add_argument(
         "--response-store-max-count",
@@ -167,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="evict stored responses older than this many seconds (default 30 days; 0: unlimited)",
     )
+    add_batch_flags(serve)
     serve.add_argument(
         "--reasoning-parser",
         default="auto",
@@ -196,6 +199,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="logging level for hybridserve and uvicorn",
     )
     return parser
+
+
+def add_batch_flags(serve: argparse.ArgumentParser) -> None:
+    """The Files and Batch APIs' limits."""
+    defaults = BatchSettings()
+    serve.add_argument(
+        "--max-upload-bytes",
+        type=parse_bytes,
+        default=defaults.max_upload_bytes,
+        help="largest file /v1/files accepts (bytes, or with a unit such as 512MiB); larger uploads get a 413",
+    )
+    serve.add_argument(
+        "--batch-max-lines",
+        type=int,
+        default=defaults.max_lines,
+        help="most requests in one batch input file; a larger file fails validation",
+    )
+    serve.add_argument(
+        "--max-active-batches",
+        type=int,
+        default=defaults.max_active_batches,
+        help="most unfinished batches at once; creating one more answers 429",
+    )
+    serve.add_argument(
+        "--batch-max-requests-in-flight",
+        type=int,
+        default=defaults.max_requests_in_flight,
+        help="most requests of one batch handed to the engine at once",
+    )
+
+
+def batch_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BatchSettings:
+    flags = ("max_upload_bytes", "batch_max_lines", "max_active_batches", "batch_max_requests_in_flight")
+    for flag in flags:
+        if (value := getattr(args, flag)) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: must be at least 1, got {value}")
+    return BatchSettings(
+        max_upload_bytes=args.max_upload_bytes,
+        max_lines=args.batch_max_lines,
+        max_active_batches=args.max_active_batches,
+        max_requests_in_flight=args.batch_max_requests_in_flight,
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -244,6 +289,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if (value := getattr(args, flag)) < 0:
             parser.error(f"--{flag.replace('_', '-')}: must be at least 0 (0 means unlimited), got {value}")
     retention = Retention(args.response_store_max_count, args.response_store_max_age)
+    batches = batch_settings(args, parser)
     from hybridserve.engine.async_llm import AsyncLLM  # heavy (torch): imported only to serve
     from hybridserve.serving.app import build_app, default_parsers
     from hybridserve.serving.extensions import extension_for
@@ -257,7 +303,9 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         logger.info("output parsers: reasoning %s, tools %s", parsers.reasoning, parsers.tool)
         if args.num_postprocess_workers:
             pool = PostprocessPool(engine.hf_dir, args.num_postprocess_workers)
-        app = build_app(engine, args.api_key, args.data_dir, retention, parsers, pool, extension)
+        app = build_app(
+            engine, args.api_key, args.data_dir, retention, parsers, pool, extension, batch_settings=batches
+        )
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         ReadyServer(server_config, engine.model_name).run()
     finally:

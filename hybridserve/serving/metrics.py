@@ -1,4 +1,4 @@
-"""Prometheus metrics for one app: request outcomes, tokens, latencies, and engine scheduler state.
+"""Prometheus metrics for one app: request outcomes, tokens, latencies, engine scheduler state, and batches.
 
 Each app owns its CollectorRegistry (no process globals), so several apps can live in one process.
 Names follow vLLM's (`vllm:` → `hybridserve:`); engine state is read from `engine.stats()` at scrape time.
@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from hybridserve.engine.protocol import SchedulerStats
 
 OUTCOMES = ("stop", "length", "abort", "error")
+BATCH_OUTCOMES = ("completed", "failed", "expired")
 
 # fmt: off
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -64,6 +65,18 @@ class ServingMetrics:
             E2E_BUCKETS,
         )
         self.registry.register(_EngineStatsCollector(stats, labels))
+        batch_requests = Counter(
+            "hybridserve:batch_requests",
+            "Batch requests by outcome: completed (output file), failed (error file), expired (never run).",
+            [*names, "outcome"],
+            registry=self.registry,
+        )
+        self.batch_requests = {o: batch_requests.labels(**labels, outcome=o) for o in BATCH_OUTCOMES}
+        self._labels = labels
+
+    def watch_batches(self, counts: Callable[[], dict[str, int]]) -> None:
+        """Reports `counts()` (batches by status) as the `hybridserve:batches` gauge at each scrape."""
+        self.registry.register(_BatchStatusCollector(counts, self._labels))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -110,3 +123,15 @@ class _EngineStatsCollector:
             metric = kind(f"hybridserve:{name}", doc, labels=self.names)
             metric.add_metric(self.values, value(s))
             yield metric
+
+
+class _BatchStatusCollector:
+    def __init__(self, counts: Callable[[], dict[str, int]], labels: dict[str, str]) -> None:
+        self.counts = counts
+        self.names, self.values = list(labels), list(labels.values())
+
+    def collect(self) -> Iterator[Metric]:
+        metric = GaugeMetricFamily("hybridserve:batches", "Batches by status.", labels=[*self.names, "status"])
+        for status, count in self.counts().items():
+            metric.add_metric([*self.values, status], count)
+        yield metric

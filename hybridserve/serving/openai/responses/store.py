@@ -4,9 +4,8 @@
 and this turn's input, in order (rows written before tool support hold plain chat messages, which read as
 message items). Input and output items are indexed by id for `item_reference` inputs.
 
-Calls are synchronous and small (one indexed read, or one transaction of a few inserts, in WAL mode with
-synchronous=NORMAL), so the service makes them on the event loop; a lock serialises the shared connection
-for servers that call from other threads.
+Calls are synchronous and small (one indexed read, or one transaction of a few inserts, on the frontend's
+shared `Database`), so the service makes them on the event loop.
 
 Retention (count and age) is enforced inside every put's transaction, oldest first by (created_at, seq),
 where seq is the insertion order; an evicted response is gone exactly as a deleted one is.
@@ -16,12 +15,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hybridserve.serving.storage import Database
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -71,34 +71,26 @@ class Retention:
 
 
 class ResponseStore:
-    """`path` is a database file (its directory is created) or ":memory:".
+    """`db` is the shared Database, or a path (a database file, or ":memory:") for a store of its own.
 
     `clock` (seconds since the epoch) is the "now" that age retention measures from.
     """
 
     def __init__(
-        self, path: str | Path, retention: Retention | None = None, clock: Callable[[], float] = time.time
+        self, db: Database | str | Path, retention: Retention | None = None, clock: Callable[[], float] = time.time
     ) -> None:
-        if str(path) != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self.path = str(path)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(SCHEMA)
-        columns = [row[1] for row in self._db.execute("PRAGMA table_info(responses)")]
+        self.db = db if isinstance(db, Database) else Database(db)
+        self.db.script(SCHEMA)
+        columns = [row[1] for row in self.db.all("PRAGMA table_info(responses)")]
         if "seq" not in columns:  # a database written before retention: rowid is its insertion order
-            self._db.execute("ALTER TABLE responses ADD COLUMN seq INTEGER NOT NULL DEFAULT 0")
-            self._db.execute("UPDATE responses SET seq = rowid")
-        self._db.execute("CREATE INDEX IF NOT EXISTS responses_age ON responses (created_at, seq)")
+            self.db.execute("ALTER TABLE responses ADD COLUMN seq INTEGER NOT NULL DEFAULT 0")
+            self.db.execute("UPDATE responses SET seq = rowid")
+        self.db.execute("CREATE INDEX IF NOT EXISTS responses_age ON responses (created_at, seq)")
         self.retention = retention or Retention()
         self.clock = clock
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self.db.close()
 
     def put(
         self, response: dict[str, Any], input_items: list[dict[str, Any]], conversation: list[dict[str, Any]]
@@ -108,56 +100,44 @@ class ResponseStore:
         `response` itself: a client is never handed an id that already answers 404)."""
         rows = [(response["id"], i, item["id"], json.dumps(item)) for i, item in enumerate(input_items)]
         outputs = [(response["id"], i, item["id"], json.dumps(item)) for i, item in enumerate(response["output"])]
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                self._db.execute("DELETE FROM responses WHERE id = ?", (response["id"],))
-                self._db.execute(
-                    "INSERT INTO responses (id, created_at, response, prompt_messages, seq) "
-                    "VALUES (?, ?, ?, ?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM responses))",
-                    (response["id"], response["created_at"], json.dumps(response), json.dumps(conversation)),
-                )
-                self._db.executemany("INSERT INTO response_input_items VALUES (?, ?, ?, ?)", rows)
-                self._db.executemany("INSERT INTO response_output_items VALUES (?, ?, ?, ?)", outputs)
-                self._evict(response["id"])
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+        with self.db.transaction() as db:
+            db.execute("DELETE FROM responses WHERE id = ?", (response["id"],))
+            db.execute(
+                "INSERT INTO responses (id, created_at, response, prompt_messages, seq) "
+                "VALUES (?, ?, ?, ?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM responses))",
+                (response["id"], response["created_at"], json.dumps(response), json.dumps(conversation)),
+            )
+            db.executemany("INSERT INTO response_input_items VALUES (?, ?, ?, ?)", rows)
+            db.executemany("INSERT INTO response_output_items VALUES (?, ?, ?, ?)", outputs)
+            self._evict(db, response["id"])
 
     def replace(self, response: dict[str, Any]) -> None:
         """A new state of a stored response (its input and conversation stay)."""
         outputs = [(response["id"], i, item["id"], json.dumps(item)) for i, item in enumerate(response["output"])]
-        with self._lock:
-            self._db.execute("BEGIN")
-            self._db.execute("UPDATE responses SET response = ? WHERE id = ?", (json.dumps(response), response["id"]))
-            self._db.execute("DELETE FROM response_output_items WHERE response_id = ?", (response["id"],))
-            self._db.executemany("INSERT INTO response_output_items VALUES (?, ?, ?, ?)", outputs)
-            self._db.execute("COMMIT")
+        with self.db.transaction() as db:
+            db.execute("UPDATE responses SET response = ? WHERE id = ?", (json.dumps(response), response["id"]))
+            db.execute("DELETE FROM response_output_items WHERE response_id = ?", (response["id"],))
+            db.executemany("INSERT INTO response_output_items VALUES (?, ?, ?, ?)", outputs)
 
     def put_events(self, response_id: str, frames: list[bytes]) -> None:
         """A background response's stream, frame i being sequence number i (nothing if it was evicted)."""
         rows = [(response_id, i, frame) for i, frame in enumerate(frames)]
-        with self._lock:
-            self._db.execute("BEGIN")
-            if self._db.execute("SELECT 1 FROM responses WHERE id = ?", (response_id,)).fetchone():
-                self._db.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
-                self._db.executemany("INSERT INTO response_events VALUES (?, ?, ?)", rows)
-            self._db.execute("COMMIT")
+        with self.db.transaction() as db:
+            if db.execute("SELECT 1 FROM responses WHERE id = ?", (response_id,)).fetchone():
+                db.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
+                db.executemany("INSERT INTO response_events VALUES (?, ?, ?)", rows)
 
     def events(self, response_id: str) -> list[bytes]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT frame FROM response_events WHERE response_id = ? ORDER BY sequence_number", (response_id,)
-            ).fetchall()
+        rows = self.db.all(
+            "SELECT frame FROM response_events WHERE response_id = ? ORDER BY sequence_number", response_id
+        )
         return [bytes(frame) for (frame,) in rows]
 
     def fail_unfinished(self, message: str) -> list[str]:
         """Marks responses stored as queued or in progress (their server stopped under them) failed."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT response FROM responses WHERE json_extract(response, '$.status') IN ('queued', 'in_progress')"
-            ).fetchall()
+        rows = self.db.all(
+            "SELECT response FROM responses WHERE json_extract(response, '$.status') IN ('queued', 'in_progress')"
+        )
         failed = []
         for (text,) in rows:
             response = json.loads(text)
@@ -166,14 +146,14 @@ class ResponseStore:
             failed.append(response["id"])
         return failed
 
-    def _evict(self, keep_id: str) -> None:
+    def _evict(self, db: sqlite3.Connection, keep_id: str) -> None:
         if self.retention.max_age_s:
-            self._db.execute(
+            db.execute(
                 "DELETE FROM responses WHERE id != ? AND created_at < ?",
                 (keep_id, self.clock() - self.retention.max_age_s),
             )
         if self.retention.max_count:
-            self._db.execute(
+            db.execute(
                 "DELETE FROM responses WHERE id IN (SELECT id FROM responses WHERE id != ? "
                 "ORDER BY created_at DESC, seq DESC LIMIT -1 OFFSET ?)",
                 (keep_id, self.retention.max_count - 1),
@@ -202,8 +182,7 @@ class ResponseStore:
         return None if row is None else json.loads(row[0])
 
     def delete(self, response_id: str) -> bool:
-        with self._lock:
-            return self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+        return self.db.execute("DELETE FROM responses WHERE id = ?", response_id).rowcount > 0
 
     def input_items(
         self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
@@ -213,19 +192,19 @@ class ResponseStore:
         `order` "asc" is input order; `after` is an item id of the same response (KeyError if it is not one).
         """
         direction, compare = ("ASC", ">") if order == "asc" else ("DESC", "<")
-        with self._lock:
-            if self._db.execute("SELECT 1 FROM responses WHERE id = ?", (response_id,)).fetchone() is None:
+        with self.db.transaction() as db:
+            if db.execute("SELECT 1 FROM responses WHERE id = ?", (response_id,)).fetchone() is None:
                 return None
             start = -1 if order == "asc" else 1 << 62
             if after is not None:
-                row = self._db.execute(
+                row = db.execute(
                     "SELECT position FROM response_input_items WHERE response_id = ? AND item_id = ?",
                     (response_id, after),
                 ).fetchone()
                 if row is None:
                     raise KeyError(after)
                 start = row[0]
-            rows = self._db.execute(
+            rows = db.execute(
                 f"SELECT item FROM response_input_items WHERE response_id = ? AND position {compare} ? "
                 f"ORDER BY position {direction} LIMIT ?",
                 (response_id, start, limit + 1),
@@ -233,5 +212,4 @@ class ResponseStore:
         return [json.loads(item) for (item,) in rows[:limit]], len(rows) > limit
 
     def _one(self, sql: str, *args: Any) -> tuple | None:
-        with self._lock:
-            return self._db.execute(sql, args).fetchone()
+        return self.db.one(sql, *args)

@@ -1,0 +1,101 @@
+"""The Files and Batch APIs' routes, stores and runner, wired onto an app by one call."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from hybridserve.serving.metrics import ServingMetrics
+from hybridserve.serving.openai.batches.protocol import BatchEndpoint, CreateBatchRequest
+from hybridserve.serving.openai.batches.runner import BatchRunner, BatchSettings
+from hybridserve.serving.openai.batches.service import BatchesService
+from hybridserve.serving.openai.batches.store import BatchStore
+from hybridserve.serving.openai.errors import json_response, validation_error
+from hybridserve.serving.openai.files.service import FilesService
+from hybridserve.serving.openai.files.store import FileStore
+from hybridserve.serving.storage import Database
+
+
+class FilesAndBatches:
+    """The running part: `start()` resumes unfinished batches, `stop()` stops their tasks (they resume on
+    the next start) and removes a temporary file directory."""
+
+    def __init__(self, runner: BatchRunner, temporary: Path | None) -> None:
+        self.runner = runner
+        self.temporary = temporary
+
+    def start(self) -> None:
+        self.runner.resume()
+
+    async def stop(self) -> None:
+        await self.runner.shutdown()
+        if self.temporary is not None:
+            shutil.rmtree(self.temporary, ignore_errors=True)
+
+
+def add_files_and_batches(
+    app: FastAPI,
+    db: Database,
+    data_dir: str | Path | None,
+    endpoints: dict[str, BatchEndpoint],
+    metrics: ServingMetrics,
+    settings: BatchSettings,
+) -> FilesAndBatches:
+    """Registers /v1/files and /v1/batches. File bytes live under `data_dir`/files (None: a temporary
+    directory, removed at shutdown, for an app whose database is in memory too)."""
+    temporary = None if data_dir is not None else Path(tempfile.mkdtemp(prefix="hybridserve-files-"))
+    file_store = FileStore(db, Path(data_dir) / "files" if data_dir is not None else temporary)
+    batch_store = BatchStore(db)
+    metrics.watch_batches(batch_store.status_counts)
+    runner = BatchRunner(batch_store, file_store, endpoints, metrics, settings)
+    files = FilesService(file_store, settings.max_upload_bytes, batch_store.reading)
+    batches = BatchesService(batch_store, files, runner, endpoints, settings)
+
+    @app.post("/v1/files")
+    async def upload_file(request: Request) -> Response:
+        return json_response(await files.upload(request))
+
+    @app.get("/v1/files")
+    async def list_files(
+        purpose: str | None = None, limit: int = 10_000, order: str = "desc", after: str | None = None
+    ):
+        return json_response(files.list(purpose, limit, order, after))
+
+    @app.get("/v1/files/{file_id}")
+    async def retrieve_file(file_id: str) -> Response:
+        return json_response(files.retrieve(file_id))
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str) -> Response:
+        return files.content(file_id)
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str) -> Response:
+        return json_response(files.delete(file_id))
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request) -> Response:
+        try:
+            req = CreateBatchRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise validation_error(list(exc.errors())) from None
+        return json_response(batches.create(req))
+
+    @app.get("/v1/batches")
+    async def list_batches(limit: int = 20, after: str | None = None) -> Response:
+        return json_response(batches.list(limit, after))
+
+    @app.get("/v1/batches/{batch_id}")
+    async def retrieve_batch(batch_id: str) -> Response:
+        return json_response(batches.retrieve(batch_id))
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str) -> Response:
+        return json_response(batches.cancel(batch_id))
+
+    return FilesAndBatches(runner, temporary)

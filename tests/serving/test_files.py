@@ -1,0 +1,114 @@
+"""/v1/files: the openai SDK's upload / list / retrieve / content / delete, the size limit, and bad uploads."""
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from hybridserve.serving.app import build_app
+from hybridserve.serving.openai.batches.runner import BatchSettings
+
+from .helpers import error_body
+
+DATA = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
+
+
+@pytest.fixture
+def http(engine, tmp_path):
+    settings = BatchSettings(max_upload_bytes=1000)
+    with TestClient(build_app(engine, None, tmp_path, batch_settings=settings)) as client:
+        yield client
+
+
+@pytest.fixture
+def sdk(http):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+def test_sdk_round_trip(sdk, http, tmp_path):
+    uploaded = sdk.files.create(file=("in.jsonl", DATA), purpose="batch")
+    assert uploaded.id.startswith("file-")
+    assert (uploaded.object, uploaded.bytes, uploaded.filename, uploaded.purpose, uploaded.status) == (
+        "file",
+        len(DATA),
+        "in.jsonl",
+        "batch",
+        "processed",
+    )
+    assert (tmp_path / "files" / uploaded.id).read_bytes() == DATA  # bytes on disk under --data-dir
+    notes = sdk.files.create(file=("notes.txt", b"hello"), purpose="user_data")
+    assert sdk.files.retrieve(uploaded.id) == uploaded
+    assert sdk.files.content(uploaded.id).content == DATA
+    assert [f.id for f in sdk.files.list()] == [notes.id, uploaded.id]  # newest first
+    assert [f.id for f in sdk.files.list(purpose="user_data")] == [notes.id]
+    assert [f.id for f in sdk.files.list(order="asc")] == [uploaded.id, notes.id]
+    page = http.get("/v1/files", params={"limit": 1}).json()
+    assert (page["first_id"], page["has_more"]) == (notes.id, True)
+    page = http.get("/v1/files", params={"limit": 1, "after": notes.id}).json()
+    assert ([f["id"] for f in page["data"]], page["has_more"]) == ([uploaded.id], False)
+    deleted = sdk.files.delete(uploaded.id)
+    assert (deleted.id, deleted.deleted, deleted.object) == (uploaded.id, True, "file")
+    assert not (tmp_path / "files" / uploaded.id).exists()
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve(uploaded.id)
+
+
+def test_too_large_is_413_and_keeps_nothing(http, tmp_path):
+    r = http.post("/v1/files", files={"file": ("big.jsonl", b"x" * 1001)}, data={"purpose": "batch"})
+    message = "File 'big.jsonl' is larger than this server's upload limit of 1000 bytes (--max-upload-bytes)."
+    assert (r.status_code, r.json()) == (413, error_body(message, param="file", code="file_too_large"))
+    assert list((tmp_path / "files").iterdir()) == []
+    assert http.get("/v1/files").json()["data"] == []
+    r = http.post("/v1/files", files={"file": ("ok.jsonl", b"x" * 1000)}, data={"purpose": "batch"})
+    assert (r.status_code, r.json()["bytes"]) == (200, 1000)
+
+
+def test_bad_uploads(http, tmp_path):
+    r = http.post("/v1/files", files={"file": ("a.jsonl", DATA)}, data={"purpose": "fine-tune"})
+    message = "Invalid value for 'purpose': 'fine-tune'. This server accepts batch, user_data."
+    assert (r.status_code, r.json()) == (400, error_body(message, param="purpose", code="invalid_value"))
+    r = http.post("/v1/files", files={"file": ("a.jsonl", DATA)})
+    assert (r.status_code, r.json()) == (
+        400,
+        error_body("Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter"),
+    )
+    r = http.post("/v1/files", files={"other": ("a.jsonl", DATA)}, data={"purpose": "batch"})
+    assert (r.status_code, r.json()) == (
+        400,
+        error_body("Missing required parameter: 'file'.", param="file", code="missing_required_parameter"),
+    )
+    r = http.post("/v1/files", json={"purpose": "batch"})
+    message = "Expected a multipart/form-data body, got content type 'application/json'."
+    assert (r.status_code, r.json()) == (400, error_body(message))
+    assert list((tmp_path / "files").iterdir()) == []
+
+
+def test_unknown_ids(http):
+    for r in (
+        http.get("/v1/files/file-nope"),
+        http.get("/v1/files/file-nope/content"),
+        http.delete("/v1/files/file-nope"),
+    ):
+        assert (r.status_code, r.json()) == (
+            404,
+            error_body("No such File object: file-nope", param="file_id", code="not_found"),
+        )
+    r = http.get("/v1/files", params={"after": "file-nope"})
+    assert (r.status_code, r.json()) == (
+        404,
+        error_body("No such File object: file-nope", param="after", code="not_found"),
+    )
+    r = http.get("/v1/files", params={"limit": 0})
+    assert (r.status_code, r.json()) == (
+        400,
+        error_body("limit must be between 1 and 10000, got 0.", param="limit", code="invalid_value"),
+    )
+
+
+def test_files_survive_a_restart(engine, tmp_path):
+    with TestClient(build_app(engine, None, tmp_path)) as client:
+        uploaded = client.post("/v1/files", files={"file": ("in.jsonl", DATA)}, data={"purpose": "batch"}).json()
+    (tmp_path / "files" / "file-torn.part").write_bytes(b"half an upload")  # a server killed mid-upload
+    with TestClient(build_app(engine, None, tmp_path)) as client:
+        assert client.get(f"/v1/files/{uploaded['id']}").json() == uploaded
+        assert client.get(f"/v1/files/{uploaded['id']}/content").content == DATA
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [uploaded["id"]]
