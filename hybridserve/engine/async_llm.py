@@ -123,11 +123,11 @@ class AsyncLLM:
             self.client.abort(abort)
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Yield updates of every choice until all n have finished. Closing the iterator early aborts
-        whatever is still running in the engine."""
-        children = expand(request_id, prompt_token_ids, params, self.eos_token_ids, self.max_model_len)
+        whatever is still running in the engine. `priority`: lower is scheduled first (online traffic 0)."""
+        children = expand(request_id, prompt_token_ids, params, self.eos_token_ids, self.max_model_len, priority)
         choices = ChoiceOutputs(self.tokenizer, children, self.client.abort)
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         await self.add_requests(children, queue.put_nowait)

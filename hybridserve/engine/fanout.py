@@ -15,11 +15,16 @@ def child_id(request_id: str, index: int, n: int) -> str:
 
 
 def expand(
-    request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: list[int], max_model_len: int
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    eos_token_ids: list[int],
+    max_model_len: int,
+    priority: int = 0,
 ) -> list[EngineCoreRequest]:
     """One engine request per choice, after checking what the engine would reject (raises InvalidParameter).
     A seeded request gives choice i the seed seed + i, so the choices
-    differ from each other and each is reproducible."""
+    differ from each other and each is reproducible. `priority`: the scheduler's (lower first; online 0)."""
     n_prompt = len(prompt_token_ids)
     if n_prompt == 0:
         raise InvalidParameter("prompt", "the prompt is empty")
@@ -43,6 +48,6 @@ def expand(
         seed = None if params.seed is None else params.seed + i
         child = dataclasses.replace(params, n=1, seed=seed)
         children.append(
-            EngineCoreRequest(child_id(request_id, i, params.n), prompt_token_ids, child, eos_token_ids, now)
+            EngineCoreRequest(child_id(request_id, i, params.n), prompt_token_ids, child, eos_token_ids, now, priority)
         )
     return children

@@ -27,9 +27,10 @@ class ServingEngine(Protocol):
         ...
 
     def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        """Updates of every choice until all have finished; closing it early aborts what still runs."""
+        """Updates of every choice until all have finished; closing it early aborts what still runs.
+        `priority`: lower is scheduled first (online traffic 0, batch work higher)."""
         ...
 
     async def add_requests(self, requests: list[EngineCoreRequest], route: Callable[[EngineCoreOutput], None]) -> None:

@@ -90,3 +90,25 @@ def test_an_idle_engine_wakes_for_the_next_request(llm: LLM, engine: AsyncLLM):
     first, second = asyncio.run(asyncio.wait_for(main(), 120))
     assert [o.output.delta_token_ids for o in first] == [o.output.delta_token_ids for o in second]
     assert second[-1].finished
+
+
+def test_online_requests_are_admitted_before_waiting_batch_work(smollm2_dir):
+    """One sequence at a time: two batch requests (priority 1) queued before an online one (0) run after it."""
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", max_num_seqs=1)
+    client = InprocEngineClient(llm.core, llm.config)
+    engine = AsyncLLM(client, llm.tokenizer, "smollm2", llm.eos_token_ids, smollm2_dir)
+    prompt = _prompts(llm)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    finished: list[str] = []
+
+    async def run(rid: str, priority: int) -> None:
+        async for out in engine.generate(prompt, params, rid, priority):
+            if out.finished:
+                finished.append(rid)
+
+    async def main() -> None:
+        await asyncio.gather(run("batch-0", 1), run("batch-1", 1), run("online", 0))
+
+    asyncio.run(main())
+    assert finished == ["online", "batch-0", "batch-1"]
+    llm.core.check_integrity()

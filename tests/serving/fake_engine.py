@@ -41,6 +41,7 @@ class FakeEngine:
         self.paused = asyncio.Event()
         self.resume = asyncio.Event()
         self.calls: list[tuple[list[int], SamplingParams, str]] = []
+        self.priorities: dict[str, int] = {}  # request id → the scheduling priority it came with
         self.aborted: list[str] = []
         self.completed: list[str] = []
         self.running = 0
@@ -69,6 +70,7 @@ class FakeEngine:
         """The raw-output path (post-processing workers): the script's tokens as engine outputs, one per step."""
         for request in requests:
             self.calls.append((request.prompt_token_ids, request.sampling_params, request.request_id))
+            self.priorities[request.request_id] = request.priority
             self._raw[request.request_id] = asyncio.create_task(self._replay(request, route))
 
     async def _replay(self, request: EngineCoreRequest, route) -> None:
@@ -130,10 +132,11 @@ class FakeEngine:
         return list(self._text(token_id).encode())
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         if self.reject is not None:
             raise self.reject
+        self.priorities[request_id] = priority
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidParameter(
                 "prompt", f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}"

@@ -115,8 +115,9 @@ def app_client(tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("endpoint", list(BODIES))
-def test_sdk_round_trip_answers_what_the_endpoint_answers(app_client, endpoint):
-    client = app_client()
+def test_sdk_round_trip_answers_what_the_endpoint_answers(app_client, tokenizer, endpoint):
+    engine = FakeEngine(tokenizer, [PARIS])
+    client = app_client(engine)
     sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
     data = jsonl([line(f"request-{i}", endpoint) for i in range(3)])
     uploaded = sdk.files.create(file=("requests.jsonl", data), purpose="batch")
@@ -147,6 +148,9 @@ def test_sdk_round_trip_answers_what_the_endpoint_answers(app_client, endpoint):
         assert (response["status_code"], response["request_id"]) == (200, response["body"]["id"])
         assert without_ids(response["body"]) == without_ids(direct)
     assert [b.id for b in sdk.batches.list()] == [batch.id]
+    # Batch work reaches the engine behind online traffic: the scheduler admits it after waiting online
+    # requests and preempts it first (tests/engine/test_scheduler.py).
+    assert [engine.priorities[request_id] for _, _, request_id in engine.calls] == [1, 1, 1, 0]
 
 
 def test_validation_errors_name_each_line(app_client):

@@ -19,7 +19,13 @@ from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions.base import ServingExtension
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import json_response
-from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, logprobs_content, stream_frame
+from hybridserve.serving.openai.generation import (
+    GenerationRun,
+    fit_to_context,
+    logprobs_content,
+    request_priority,
+    stream_frame,
+)
 from hybridserve.serving.openai.models import check_model
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
@@ -66,7 +72,9 @@ class ChatService:
             renames=renames,
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        run = GenerationRun(self.engine, self.metrics, request_id, [prompt.ids], [params], arrival)
+        run = GenerationRun(
+            self.engine, self.metrics, request_id, [prompt.ids], [params], arrival, request_priority(request)
+        )
         head = {
             "id": request_id,
             "object": "chat.completion.chunk",

@@ -13,7 +13,7 @@ from hybridserve.engine.outputs import Logprob
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import APIError, json_response
-from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, stream_frame
+from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, request_priority, stream_frame
 from hybridserve.serving.openai.models import check_model
 from hybridserve.serving.openai.protocol import CompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
@@ -69,7 +69,7 @@ class CompletionService:
         params = [fit_to_context(base, len(p), max_len, what="prompt", max_tokens_param="max_tokens") for p in prompts]
         echo = self.prompt_texts(req.prompt, prompts) if req.echo else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        run = GenerationRun(self.engine, self.metrics, request_id, prompts, params, arrival)
+        run = GenerationRun(self.engine, self.metrics, request_id, prompts, params, arrival, request_priority(request))
         head = {
             "id": request_id,
             "object": "text_completion",

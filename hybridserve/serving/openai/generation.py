@@ -13,6 +13,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from starlette.requests import Request
+
 from hybridserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling_params import InvalidParameter, SamplingParams
 from hybridserve.serving.engine import ServingEngine
@@ -133,6 +135,15 @@ class RunAccounting:
                     self.metrics.outcomes[outcome].inc()
 
 
+ONLINE_PRIORITY = 0
+
+
+def request_priority(request: Request) -> int:
+    """The scheduling priority of an endpoint call: online traffic, unless the server itself made the call
+    and said otherwise in its scope (batch requests; clients cannot set it)."""
+    return getattr(request.state, "priority", ONLINE_PRIORITY)
+
+
 class GenerationRun:
     """Runs `prompts` (each with its SamplingParams) and yields `(choice_index, output, finished)`.
 
@@ -148,9 +159,11 @@ class GenerationRun:
         prompts: list[list[int]],
         params: list[SamplingParams],
         arrival: float,
+        priority: int = 0,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
+        self.priority = priority
         self.prompts = prompts
         self.params = params
         self.n = params[0].n
@@ -178,7 +191,7 @@ class GenerationRun:
 
     async def outputs(self) -> AsyncIterator[tuple[int, CompletionOutput, bool]]:
         streams = [
-            self.engine.generate(p, sp, self._engine_request_id(k))
+            self.engine.generate(p, sp, self._engine_request_id(k), self.priority)
             for k, (p, sp) in enumerate(zip(self.prompts, self.params, strict=True))
         ]
         merged = _merge(streams)

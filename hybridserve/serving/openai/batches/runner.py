@@ -44,6 +44,8 @@ from hybridserve.serving.openai.files.store import FileStore
 
 logger = logging.getLogger(__name__)
 EXPIRED = "This request could not be executed before the completion window expired."
+# The scheduler serves lower values first: online traffic is 0 (generation.ONLINE_PRIORITY).
+BATCH_PRIORITY = 1
 
 
 @dataclass(frozen=True)
@@ -330,8 +332,10 @@ async def _never() -> dict:
 
 
 def _detached_request(path: str) -> Request:
-    """The `request` a service watches for a disconnect: a batch request has no client to lose."""
-    return Request({"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}, _never)
+    """The `request` a service watches for a disconnect: a batch request has no client to lose. Its scope
+    says it is batch work, which the scheduler admits after online requests and preempts first."""
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+    return Request({**scope, "state": {"priority": BATCH_PRIORITY}}, _never)
 
 
 class _ResultFiles:

@@ -19,7 +19,7 @@ from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions.base import ServingExtension
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import APIError, json_response
-from hybridserve.serving.openai.generation import GenerationRun, fit_to_context
+from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, request_priority
 from hybridserve.serving.openai.models import check_model
 from hybridserve.serving.openai.prompt import Prompt
 from hybridserve.serving.openai.protocol import SamplingRequest
@@ -100,7 +100,9 @@ class ResponsesService:
             renames=RENAMES,
         )
         response_id = new_id("resp")
-        run = GenerationRun(self.engine, self.metrics, response_id, [prompt.ids], [params], arrival)
+        run = GenerationRun(
+            self.engine, self.metrics, response_id, [prompt.ids], [params], arrival, request_priority(request)
+        )
         base = base_response(req, response_id, self.engine.model_name)
         if req.return_token_ids:
             base["prompt_token_ids"] = prompt.ids
@@ -113,7 +115,8 @@ class ResponsesService:
 
         # Output ids are collected by the in-process run: return_token_ids stays off the post-processing pool.
         if self.postprocess is not None and not req.background and not req.return_token_ids:
-            [child] = expand(response_id, prompt.ids, params, self.engine.eos_token_ids, self.engine.max_model_len)
+            max_len, eos = self.engine.max_model_len, self.engine.eos_token_ids
+            [child] = expand(response_id, prompt.ids, params, eos, max_len, request_priority(request))
             job = ResponseJob(child, base, self.parsers, prompt.text, tools, bool(req.stream))
             pooled = PooledResponseRun(self.engine, self.postprocess, self.metrics, arrival, job, finish)
             if req.stream:
