@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from hybridserve.config import EngineConfig
+from hybridserve.config import EngineConfig, parse_bytes
 from hybridserve.serving import cli
 
 
@@ -21,13 +21,13 @@ from hybridserve.serving import cli
     ],
 )
 def test_parse_bytes(text, value):
-    assert cli.parse_bytes(text) == value
+    assert parse_bytes(text) == value
 
 
 @pytest.mark.parametrize("text", ["", "GiB", "2 parsecs", "-1", "1e9"])
 def test_parse_bytes_rejects(text):
     with pytest.raises(Exception, match="expected a size"):
-        cli.parse_bytes(text)
+        parse_bytes(text)
 
 
 def serve_parser():
@@ -94,6 +94,25 @@ def test_flags_map_to_engine_config():
         enable_prefix_caching=False,
         long_prefill_token_threshold=64,
         seed=3,
+    )
+
+
+def test_every_engine_config_field_has_one_flag_with_its_default():
+    _, serve = serve_parser()
+    fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    actions = [action for action in serve._actions if action.dest in fields]
+    assert sorted(action.dest for action in actions) == sorted(fields)
+    assert {action.dest: action.default for action in actions} == fields
+
+
+def test_bool_fields_are_flag_pairs_and_a_size_is_a_usage_error(capsys):
+    args = cli.build_parser().parse_args(["serve", "--no-native-kernels", "--kv-cache-memory-bytes", "1.5G"])
+    assert cli.engine_config(args) == EngineConfig(native_kernels=False, kv_cache_memory_bytes=3 * 1024**3 // 2)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--kv-cache-memory-bytes", "2 parsecs"])
+    assert (
+        "argument --kv-cache-memory-bytes: expected a size such as 2GiB, 512MiB or 1073741824, got '2 parsecs'"
+        in capsys.readouterr().err
     )
 
 
