@@ -1,4 +1,6 @@
-"""Engine configuration: frozen dataclasses, validated at construction with errors that name the field."""
+"""Engine and serving configuration: frozen dataclasses, validated at construction with errors that name the field.
+
+Each field is declared with `setting`, which also describes its `hybridserve serve` flag."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def parse_bytes(text: str) -> int:
 def setting(default: Any, help: str, **flag: Any) -> Any:
     """A config field and its `hybridserve serve` flag (serving/cli.py makes one per field): `help` is the flag's
     help; `flag` holds argparse options the field's type does not imply (choices, a `type` that parses text,
-    `positional=True`)."""
+    `positional=True`, and for a bool `env`: the variable that, set to 1 or 0, gives the flag its default)."""
     return field(default=default, metadata={"help": help, **flag})
 
 
@@ -115,3 +117,17 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 2048 if device_type == "cuda" else 512
+
+
+@dataclass(frozen=True)
+class ExtensionConfig:
+    """Deployment switches of the model-specific serving extensions (serving/extensions/); the frontend's alone,
+    never sent to the engine. Each extension reads its own and ignores the rest."""
+
+    kimi_param_policy: bool = setting(
+        False,
+        "Kimi-K3 models: enforce the sampling-parameter policy (top_p unset or 1.0 becomes 0.95; any other top_p, a "
+        "temperature outside [0, 1], a non-zero penalty or n other than 1 is a 400); "
+        "$HYBRIDSERVE_KIMI_PARAM_POLICY=1 or 0 sets the default",
+        env="HYBRIDSERVE_KIMI_PARAM_POLICY",
+    )

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from hybridserve.config import EngineConfig
+from hybridserve.config import EngineConfig, ExtensionConfig
 from hybridserve.sampling_params import InvalidParameter
 from hybridserve.serving.openai.responses.store import Retention
 from hybridserve.serving.parsers.reasoning import REASONING_PARSERS
@@ -32,16 +32,27 @@ def add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
         options = dict(f.metadata)
         positional = options.pop("positional", False)
         kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+        default = f.default
         if kind is bool:
             options["action"] = argparse.BooleanOptionalAction
+            if "env" in options:
+                default = _bool_from_env(parser, options.pop("env"), default)
         elif "type" in options:
             options["type"] = _flag_type(options["type"])
         elif kind is not str:
             options["type"] = kind
         if positional:
-            parser.add_argument(f.name, nargs="?", default=f.default, **options)
+            parser.add_argument(f.name, nargs="?", default=default, **options)
         else:
-            parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **options)
+            parser.add_argument("--" + f.name.replace("_", "-"), default=default, **options)
+
+
+def _bool_from_env(parser: argparse.ArgumentParser, variable: str, default: bool) -> bool:
+    """$variable as a flag's default: 1 or 0; unset or empty keeps `default`; anything else is a usage error."""
+    value = os.environ.get(variable, "")
+    if value not in ("", "0", "1"):
+        parser.error(f"${variable} must be 1 or 0, got {value!r}")
+    return default if value == "" else value == "1"
 
 
 def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -121,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(0: on the event loop; background responses always run there)",
     )
     add_config_flags(serve, EngineConfig)
+    add_config_flags(serve, ExtensionConfig)
     serve.add_argument(
         "--log-level",
         default="info",
@@ -151,6 +163,7 @@ class ReadyServer(uvicorn.Server):
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         config = engine_config(args)
+        extension_config = config_from(ExtensionConfig, args)
     except InvalidParameter as exc:
         parser.error(f"--{exc.param.replace('_', '-')}: {exc}")
     if args.num_postprocess_workers < 0:
@@ -167,7 +180,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     engine = AsyncLLM.from_config(config)
     pool = None
     try:
-        extension = extension_for(engine.model_type)
+        extension = extension_for(engine.model_type, extension_config)
         parsers = default_parsers(engine.tokenizer, extension, args.reasoning_parser, args.tool_parser)
         logger.info("output parsers: reasoning %s, tools %s", parsers.reasoning, parsers.tool)
         if args.num_postprocess_workers:

@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from hybridserve.config import EngineConfig, parse_bytes
+from hybridserve.config import EngineConfig, ExtensionConfig, parse_bytes
 from hybridserve.serving import cli
 
 
@@ -150,3 +150,61 @@ def test_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tokenizer):
         "server": ("127.0.0.1", 9123, "smollm2"),
         "shutdown": True,
     }
+
+
+POLICY_ENV = "HYBRIDSERVE_KIMI_PARAM_POLICY"
+
+
+def extension_config(argv: list[str]) -> ExtensionConfig:
+    return cli.config_from(ExtensionConfig, cli.build_parser().parse_args(["serve", *argv]))
+
+
+def test_kimi_param_policy_flag(monkeypatch):
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    assert extension_config([]) == ExtensionConfig(kimi_param_policy=False)
+    assert extension_config(["--kimi-param-policy"]) == ExtensionConfig(kimi_param_policy=True)
+
+
+def test_kimi_param_policy_default_from_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv(POLICY_ENV, "1")
+    assert extension_config([]).kimi_param_policy is True
+    assert extension_config(["--no-kimi-param-policy"]).kimi_param_policy is False
+    monkeypatch.setenv(POLICY_ENV, "0")
+    assert extension_config([]).kimi_param_policy is False
+    monkeypatch.setenv(POLICY_ENV, "yes")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser()
+    assert exit_info.value.code == 2
+    assert f"${POLICY_ENV} must be 1 or 0, got 'yes'" in capsys.readouterr().err
+
+
+def test_serve_hands_the_extension_its_config(monkeypatch, tokenizer):
+    from hybridserve.serving import app
+    from hybridserve.serving.extensions.kimi_k3 import KimiK3ServingExtension
+
+    from .fake_engine import FakeEngine
+    from .helpers import PARIS
+
+    engine = FakeEngine(tokenizer, [PARIS])
+    engine.model_type = "kimi_k3"
+    engine.shutdown = lambda: None
+    seen = {}
+
+    class AsyncLLM:
+        @classmethod
+        def from_config(cls, config):
+            return engine
+
+    def build_app(engine, api_key, data_dir, retention, parsers, pool, extension):
+        seen["extension"] = extension
+        return object()  # never served: ReadyServer.run is stubbed
+
+    module = types.ModuleType("hybridserve.engine.async_llm")
+    module.AsyncLLM = AsyncLLM
+    monkeypatch.setitem(sys.modules, "hybridserve.engine.async_llm", module)
+    monkeypatch.setattr(app, "build_app", build_app)
+    monkeypatch.setattr(cli.ReadyServer, "run", lambda server: None)
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    cli.main(["serve", "--kimi-param-policy"])
+    assert isinstance(seen["extension"], KimiK3ServingExtension)
+    assert seen["extension"].config == ExtensionConfig(kimi_param_policy=True)
