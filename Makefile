@@ -25,6 +25,7 @@ serve: $(STAMP)
 
 test: $(TEST_STAMP)
 	$(VENV)/bin/ruff check hybridserve tests benchmarks scripts
+	$(VENV)/bin/lint-imports --no-logo
 	$(VENV)/bin/pytest -q $(ARGS)
 
 # The Codex CLI goes into the git-ignored .npm-tools/, pinned; without npm its test skips.
@@ -43,3 +44,4 @@ bench: $(STAMP)  # hybridserve vs vLLM's CPU build, side by side (docs/benchmark
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check hybridserve tests benchmarks scripts
 	$(VENV)/bin/ruff format --check hybridserve tests benchmarks scripts
+	$(VENV)/bin/lint-imports --no-logo

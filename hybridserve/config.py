@@ -1,40 +1,94 @@
-"""Engine configuration: frozen dataclasses, validated at construction with errors that name the field."""
+"""Engine and serving configuration: frozen dataclasses, validated at construction with errors that name the field.
+
+Each field is declared with `setting`, which also describes its `hybridserve serve` flag."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
+from typing import Any
 
 from hybridserve.sampling_params import InvalidParameter
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' / '512MiB' / '1.5G' / '2GB' (decimal) / '1073741824' → bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a size such as 2GiB, 512MiB or 1073741824, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def setting(default: Any, help: str, **flag: Any) -> Any:
+    """A config field and its `hybridserve serve` flag (serving/cli.py makes one per field): `help` is the flag's
+    help; `flag` holds argparse options the field's type does not imply (choices, a `type` that parses text,
+    `positional=True`, and for a bool `env`: the variable that, set to 1 or 0, gives the flag its default)."""
+    return field(default=default, metadata={"help": help, **flag})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # GGUF file, HF directory, or None for the embedded default model
-    served_model_name: str | None = None  # defaults to "smollm2" for the default, else the path's stem
-    dtype: str = "auto"  # auto: bfloat16 on CUDA and bf16-capable CPUs, else float32
-    device: str = "auto"  # auto: cuda when available, else cpu
-    max_model_len: int | None = None  # defaults to the model's context length
-    max_num_seqs: int = 128
-    # Token budget per engine step; default 512 on CPU (a burst of new prompts is prefilled in several
-    # steps, so the first of them start streaming sooner), 2048 on CUDA.
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    kv_cache_memory_bytes: int = 2 * 1024**3
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes (tests use tiny budgets)
-    enable_prefix_caching: bool = True
-    # Models with linear-attention layers: recurrent-state slots, one per running request (default:
-    # max_num_seqs). Admission needs a free slot as well as KV blocks.
-    num_state_slots: int | None = None
-    # With prefix caching: snapshots of recurrent state at block boundaries, which prefix hits on such
-    # models restore (default: as many as state slots; 0: none, so no prefix hits for these models).
-    num_state_snapshots: int | None = None
-    long_prefill_token_threshold: int = 0  # >0: a prefill chunk takes at most this many tokens per step
-    # On CPU: decode attention and a layer's element-wise chains run as C kernels built at start-up with
-    # the system C compiler (PyTorch ops if that fails, and always on CUDA). False: PyTorch ops only.
-    native_kernels: bool = True
-    seed: int = 0
+    model: str | None = setting(
+        None, "GGUF file or Hugging Face directory; None: the embedded SmolLM2-135M", positional=True
+    )
+    served_model_name: str | None = setting(
+        None, "model id clients send and see; None: smollm2, or the model path's stem"
+    )
+    dtype: str = setting(
+        "auto",
+        "weight, activation and KV-cache dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 matmuls, else "
+        "float32)",
+        choices=DTYPES,
+    )
+    device: str = setting("auto", "cuda, cpu, or auto (cuda when available, else cpu)")
+    max_model_len: int | None = setting(None, "context length limit (prompt + completion); None: the model's")
+    max_num_seqs: int = setting(128, "most sequences in one engine step")
+    max_num_batched_tokens: int | None = setting(
+        None,
+        "token budget of one engine step (default: 512 on CPU, so a burst of new prompts is prefilled over several "
+        "steps and the first of them start streaming sooner; 2048 on CUDA)",
+    )
+    block_size: int = setting(16, "tokens per KV-cache block")
+    kv_cache_memory_bytes: int = setting(
+        2 * 1024**3, "memory for the KV cache: bytes, or with a unit such as 2GiB or 512MiB", type=parse_bytes
+    )
+    num_kv_blocks: int | None = setting(None, "number of KV-cache blocks (overrides --kv-cache-memory-bytes)")
+    enable_prefix_caching: bool = setting(True, "reuse KV blocks of earlier prompts with the same prefix")
+    num_state_slots: int | None = setting(
+        None,
+        "models with linear attention: recurrent-state slots, one per running request; admission needs a free slot "
+        "as well as KV blocks (default: max-num-seqs)",
+    )
+    num_state_snapshots: int | None = setting(
+        None,
+        "models with linear attention: recurrent-state snapshots kept for prefix-cache hits, evicted least "
+        "recently used (default: as many as state slots; 0 turns prefix hits off for these models)",
+    )
+    long_prefill_token_threshold: int = setting(0, "if >0, a prefill chunk takes at most this many tokens per step")
+    native_kernels: bool = setting(
+        True,
+        "on CPU, run decode attention and fused element-wise ops as C kernels built at start-up with the system C "
+        "compiler ($CC, default cc); PyTorch ops if they cannot be built, and always on CUDA",
+    )
+    seed: int = setting(0, "engine random seed")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -63,3 +117,17 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 2048 if device_type == "cuda" else 512
+
+
+@dataclass(frozen=True)
+class ExtensionConfig:
+    """Deployment switches of the model-specific serving extensions (serving/extensions/); the frontend's alone,
+    never sent to the engine. Each extension reads its own and ignores the rest."""
+
+    kimi_param_policy: bool = setting(
+        False,
+        "Kimi-K3 models: enforce the sampling-parameter policy (top_p unset or 1.0 becomes 0.95; any other top_p, a "
+        "temperature outside [0, 1], a non-zero penalty or n other than 1 is a 400); "
+        "$HYBRIDSERVE_KIMI_PARAM_POLICY=1 or 0 sets the default",
+        env="HYBRIDSERVE_KIMI_PARAM_POLICY",
+    )

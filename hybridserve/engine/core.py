@@ -15,6 +15,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.manager import KVCacheManager
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.plan import SchedulerOutput
+from hybridserve.engine.prompt_limits import prompt_problem
 from hybridserve.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -84,10 +85,8 @@ class EngineCore:
         n = len(core.prompt_token_ids)
         if core.request_id in self.scheduler.requests or core.request_id in self._compiling:
             return f"request id {core.request_id!r} is already in use"
-        if n == 0:
-            return "the prompt is empty"
-        if n >= self.max_model_len:
-            return f"prompt of {n} tokens leaves no room to generate within max_model_len={self.max_model_len}"
+        if (problem := prompt_problem(n, self.max_model_len)) is not None:
+            return problem
         bad = [t for t in core.prompt_token_ids if not 0 <= t < self.runner.vocab_size]
         if bad:
             return f"prompt token id {bad[0]} is outside the vocabulary (size {self.runner.vocab_size})"

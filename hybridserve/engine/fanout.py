@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from hybridserve.engine.prompt_limits import prompt_problem
 from hybridserve.engine.protocol import EngineCoreRequest
 from hybridserve.engine.structured_output import check
 from hybridserve.sampling_params import InvalidParameter, SamplingParams
@@ -26,14 +27,8 @@ def expand(
     A seeded request gives choice i the seed seed + i, so the choices
     differ from each other and each is reproducible. `priority`: the scheduler's (lower first; online 0)."""
     n_prompt = len(prompt_token_ids)
-    if n_prompt == 0:
-        raise InvalidParameter("prompt", "the prompt is empty")
-    if n_prompt >= max_model_len:
-        raise InvalidParameter(
-            "prompt",
-            f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
-            f"{n_prompt} tokens, which leaves no room to generate",
-        )
+    if (problem := prompt_problem(n_prompt, max_model_len)) is not None:
+        raise InvalidParameter("prompt", problem)
     if params.max_tokens is not None and n_prompt + params.max_tokens > max_model_len:
         raise InvalidParameter(
             "max_tokens",

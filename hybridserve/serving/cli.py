@@ -6,13 +6,15 @@ import argparse
 import dataclasses
 import logging
 import os
-import re
 import sys
+import typing
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import uvicorn
 
-from hybridserve.config import DTYPES, EngineConfig
+from hybridserve.config import EngineConfig, ExtensionConfig, parse_bytes
 from hybridserve.sampling_params import InvalidParameter
 from hybridserve.serving.openai.batches.runner import BatchSettings
 from hybridserve.serving.openai.responses.store import Retention
@@ -20,32 +22,55 @@ from hybridserve.serving.parsers.reasoning import REASONING_PARSERS
 from hybridserve.serving.parsers.tools import TOOL_PARSERS
 
 logger = logging.getLogger("hybridserve.serve")
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1024,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1024**2,
-    "mb": 1000**2,
-    "mib": 1024**2,
-    "g": 1024**3,
-    "gb": 1000**3,
-    "gib": 1024**3,
-    "t": 1024**4,
-    "tb": 1000**4,
-    "tib": 1024**4,
-}
+C = TypeVar("C")
 
 
-def parse_bytes(text: str) -> int:
-    """'2GiB' / '512MiB' / '1.5G' / '2GB' (decimal) / '1073741824' → bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MiB or 1073741824, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+def add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
+    """One argument per field of the dataclass `config`: `--field-name` (the bare name if its metadata says
+    positional), the field's default and help, and the options its metadata holds; a bool is --x / --no-x."""
+    hints = typing.get_type_hints(config)
+    for f in dataclasses.fields(config):
+        options = dict(f.metadata)
+        positional = options.pop("positional", False)
+        kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+        default = f.default
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+            if "env" in options:
+                default = _bool_from_env(parser, options.pop("env"), default)
+        elif "type" in options:
+            options["type"] = _flag_type(options["type"])
+        elif kind is not str:
+            options["type"] = kind
+        if positional:
+            parser.add_argument(f.name, nargs="?", default=default, **options)
+        else:
+            parser.add_argument("--" + f.name.replace("_", "-"), default=default, **options)
+
+
+def _bool_from_env(parser: argparse.ArgumentParser, variable: str, default: bool) -> bool:
+    """$variable as a flag's default: 1 or 0; unset or empty keeps `default`; anything else is a usage error."""
+    value = os.environ.get(variable, "")
+    if value not in ("", "0", "1"):
+        parser.error(f"${variable} must be 1 or 0, got {value!r}")
+    return default if value == "" else value == "1"
+
+
+def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` as an argparse type: the ValueError it raises becomes the usage error's message."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def config_from(config: type[C], args: argparse.Namespace) -> C:
+    """The dataclass `config` built from the arguments add_config_flags made for it."""
+    return config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config)})
 
 
 def default_data_dir() -> Path:
@@ -60,94 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve", help="serve one model over HTTP", formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    serve.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="GGUF file or Hugging Face directory; None: the embedded SmolLM2-135M",
-    )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind")
     serve.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
     serve.add_argument(
         "--api-key",
         default=None,
         help="require this key as 'Authorization: Bearer <key>' on /v1 routes; None: no key",
-    )
-    serve.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model id clients send and see; None: smollm2, or the model path's stem",
-    )
-    serve.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default=_DEFAULTS["dtype"],
-        help="weight, activation and KV-cache dtype "
-        "(auto: bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32)",
-    )
-    serve.add_argument("--device", default=_DEFAULTS["device"], help="cuda, cpu, or auto")
-    serve.add_argument(
-        "--max-model-len",
-        type=int,
-        default=_DEFAULTS["max_model_len"],
-        help="context length limit (prompt + completion); None: the model's",
-    )
-    serve.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=_DEFAULTS["max_num_seqs"],
-        help="most sequences in one engine step",
-    )
-    serve.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=_DEFAULTS["max_num_batched_tokens"],
-        help="token budget of one engine step (default: 512 on CPU, 2048 on CUDA)",
-    )
-    serve.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=_DEFAULTS["long_prefill_token_threshold"],
-        help="if >0, a prefill chunk takes at most this many tokens per step",
-    )
-    serve.add_argument(
-        "--native-kernels",
-        action=argparse.BooleanOptionalAction,
-        default=_DEFAULTS["native_kernels"],
-        help="on CPU, run decode attention and fused element-wise ops as C kernels built at start-up with the "
-        "system C compiler ($CC, default cc); PyTorch ops if they cannot be built, and always on CUDA",
-    )
-    serve.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"], help="tokens per KV-cache block")
-    serve.add_argument(
-        "--kv-cache-memory-bytes",
-        type=parse_bytes,
-        default=_DEFAULTS["kv_cache_memory_bytes"],
-        help="memory for the KV cache: bytes, or with a unit such as 2GiB or 512MiB",
-    )
-    serve.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=_DEFAULTS["num_kv_blocks"],
-        help="number of KV-cache blocks (overrides --kv-cache-memory-bytes)",
-    )
-    serve.add_argument(
-        "--num-state-slots",
-        type=int,
-        default=_DEFAULTS["num_state_slots"],
-        help="models with linear attention: recurrent-state slots, one per running request (default: max-num-seqs)",
-    )
-    serve.add_argument(
-        "--num-state-snapshots",
-        type=int,
-        default=_DEFAULTS["num_state_snapshots"],
-        help="models with linear attention: recurrent-state snapshots kept for prefix-cache hits, evicted least "
-        "recently used (default: as many as state slots; 0 turns prefix hits off for these models)",
-    )
-    serve.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=_DEFAULTS["enable_prefix_caching"],
-        help="reuse KV blocks of earlier prompts with the same prefix",
     )
     serve.add_argument(
         "--data-dir",
@@ -191,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes that detokenize, parse and build events for the Responses API off the HTTP event loop "
         "(0: on the event loop; background responses always run there)",
     )
-    serve.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="engine random seed")
+    add_config_flags(serve, EngineConfig)
+    add_config_flags(serve, ExtensionConfig)
     serve.add_argument(
         "--log-level",
         default="info",
@@ -206,7 +150,7 @@ def add_batch_flags(serve: argparse.ArgumentParser) -> None:
     defaults = BatchSettings()
     serve.add_argument(
         "--max-upload-bytes",
-        type=parse_bytes,
+        type=_flag_type(parse_bytes),
         default=defaults.max_upload_bytes,
         help="largest file /v1/files accepts (bytes, or with a unit such as 512MiB); larger uploads get a 413",
     )
@@ -244,24 +188,7 @@ def batch_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        served_model_name=args.served_model_name,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_kv_blocks=args.num_kv_blocks,
-        num_state_slots=args.num_state_slots,
-        num_state_snapshots=args.num_state_snapshots,
-        enable_prefix_caching=args.enable_prefix_caching,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        native_kernels=args.native_kernels,
-        seed=args.seed,
-    )
+    return config_from(EngineConfig, args)
 
 
 class ReadyServer(uvicorn.Server):
@@ -281,6 +208,7 @@ class ReadyServer(uvicorn.Server):
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         config = engine_config(args)
+        extension_config = config_from(ExtensionConfig, args)
     except InvalidParameter as exc:
         parser.error(f"--{exc.param.replace('_', '-')}: {exc}")
     if args.num_postprocess_workers < 0:
@@ -298,7 +226,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     engine = AsyncLLM.from_config(config)
     pool = None
     try:
-        extension = extension_for(engine.model_type)
+        extension = extension_for(engine.model_type, extension_config)
         parsers = default_parsers(engine.tokenizer, extension, args.reasoning_parser, args.tool_parser)
         logger.info("output parsers: reasoning %s, tools %s", parsers.reasoning, parsers.tool)
         if args.num_postprocess_workers:

@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from hybridserve.config import EngineConfig
+from hybridserve.config import EngineConfig, ExtensionConfig, parse_bytes
 from hybridserve.serving import cli
 
 
@@ -21,13 +21,13 @@ from hybridserve.serving import cli
     ],
 )
 def test_parse_bytes(text, value):
-    assert cli.parse_bytes(text) == value
+    assert parse_bytes(text) == value
 
 
 @pytest.mark.parametrize("text", ["", "GiB", "2 parsecs", "-1", "1e9"])
 def test_parse_bytes_rejects(text):
     with pytest.raises(Exception, match="expected a size"):
-        cli.parse_bytes(text)
+        parse_bytes(text)
 
 
 def serve_parser():
@@ -97,6 +97,25 @@ def test_flags_map_to_engine_config():
     )
 
 
+def test_every_engine_config_field_has_one_flag_with_its_default():
+    _, serve = serve_parser()
+    fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    actions = [action for action in serve._actions if action.dest in fields]
+    assert sorted(action.dest for action in actions) == sorted(fields)
+    assert {action.dest: action.default for action in actions} == fields
+
+
+def test_bool_fields_are_flag_pairs_and_a_size_is_a_usage_error(capsys):
+    args = cli.build_parser().parse_args(["serve", "--no-native-kernels", "--kv-cache-memory-bytes", "1.5G"])
+    assert cli.engine_config(args) == EngineConfig(native_kernels=False, kv_cache_memory_bytes=3 * 1024**3 // 2)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--kv-cache-memory-bytes", "2 parsecs"])
+    assert (
+        "argument --kv-cache-memory-bytes: expected a size such as 2GiB, 512MiB or 1073741824, got '2 parsecs'"
+        in capsys.readouterr().err
+    )
+
+
 def test_invalid_config_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["serve", "--block-size", "0"])
@@ -131,3 +150,61 @@ def test_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tokenizer):
         "server": ("127.0.0.1", 9123, "smollm2"),
         "shutdown": True,
     }
+
+
+POLICY_ENV = "HYBRIDSERVE_KIMI_PARAM_POLICY"
+
+
+def extension_config(argv: list[str]) -> ExtensionConfig:
+    return cli.config_from(ExtensionConfig, cli.build_parser().parse_args(["serve", *argv]))
+
+
+def test_kimi_param_policy_flag(monkeypatch):
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    assert extension_config([]) == ExtensionConfig(kimi_param_policy=False)
+    assert extension_config(["--kimi-param-policy"]) == ExtensionConfig(kimi_param_policy=True)
+
+
+def test_kimi_param_policy_default_from_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv(POLICY_ENV, "1")
+    assert extension_config([]).kimi_param_policy is True
+    assert extension_config(["--no-kimi-param-policy"]).kimi_param_policy is False
+    monkeypatch.setenv(POLICY_ENV, "0")
+    assert extension_config([]).kimi_param_policy is False
+    monkeypatch.setenv(POLICY_ENV, "yes")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser()
+    assert exit_info.value.code == 2
+    assert f"${POLICY_ENV} must be 1 or 0, got 'yes'" in capsys.readouterr().err
+
+
+def test_serve_hands_the_extension_its_config(monkeypatch, tokenizer):
+    from hybridserve.serving import app
+    from hybridserve.serving.extensions.kimi_k3 import KimiK3ServingExtension
+
+    from .fake_engine import FakeEngine
+    from .helpers import PARIS
+
+    engine = FakeEngine(tokenizer, [PARIS])
+    engine.model_type = "kimi_k3"
+    engine.shutdown = lambda: None
+    seen = {}
+
+    class AsyncLLM:
+        @classmethod
+        def from_config(cls, config):
+            return engine
+
+    def build_app(engine, api_key, data_dir, retention, parsers, pool, extension):
+        seen["extension"] = extension
+        return object()  # never served: ReadyServer.run is stubbed
+
+    module = types.ModuleType("hybridserve.engine.async_llm")
+    module.AsyncLLM = AsyncLLM
+    monkeypatch.setitem(sys.modules, "hybridserve.engine.async_llm", module)
+    monkeypatch.setattr(app, "build_app", build_app)
+    monkeypatch.setattr(cli.ReadyServer, "run", lambda server: None)
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    cli.main(["serve", "--kimi-param-policy"])
+    assert isinstance(seen["extension"], KimiK3ServingExtension)
+    assert seen["extension"].config == ExtensionConfig(kimi_param_policy=True)

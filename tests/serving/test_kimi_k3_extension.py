@@ -11,15 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridserve.config import ExtensionConfig
 from hybridserve.serving.extensions import ServingExtension, extension_for
 from hybridserve.serving.extensions.kimi_k3 import EFFORTS, KimiK3ServingExtension
-from hybridserve.serving.extensions.policy import POLICY_ENV
 from hybridserve.serving.extensions.tool_history import prepare_tool_history
 from hybridserve.serving.openai.errors import APIError
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.openai.responses.protocol import ResponsesRequest
 
 K3 = KimiK3ServingExtension()
+K3_POLICY = KimiK3ServingExtension(ExtensionConfig(kimi_param_policy=True))
 TOOLS = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
 CHAT_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 RANK = {"minimal": 0, "low": 1, "medium": 2, "high": 3, "xhigh": 4, "max": 5}
@@ -37,6 +38,12 @@ def chat_kwargs(**fields) -> dict:
 def test_extension_is_chosen_by_model_type():
     assert isinstance(extension_for("kimi_k3"), KimiK3ServingExtension)
     assert type(extension_for("llama")) is ServingExtension and type(extension_for(None)) is ServingExtension
+
+
+def test_extension_gets_the_deployment_config():
+    config = ExtensionConfig(kimi_param_policy=True)
+    assert extension_for("kimi_k3", config).config is config and extension_for(None, config).config is config
+    assert extension_for("kimi_k3").config == ExtensionConfig(kimi_param_policy=False)
 
 
 @pytest.mark.parametrize(
@@ -114,18 +121,16 @@ def test_tools_on_a_system_message_are_validated(tools, param):
 # --- the sampling policy -------------------------------------------------------------------------------
 
 
-def test_policy_is_off_by_default(monkeypatch):
-    monkeypatch.delenv(POLICY_ENV, raising=False)
+def test_policy_is_off_by_default():
     request = K3.apply_responses_extensions(ResponsesRequest(input="hi", temperature=1.5, top_p=0.5))
     assert (request.temperature, request.top_p) == (1.5, 0.5)
 
 
 @pytest.mark.parametrize("top_p", [None, 1.0, 0.95])
-def test_policy_pins_top_p(monkeypatch, top_p):
-    monkeypatch.setenv(POLICY_ENV, "1")
-    assert K3.apply_responses_extensions(ResponsesRequest(input="hi", top_p=top_p)).top_p == 0.95
+def test_policy_pins_top_p(top_p):
+    assert K3_POLICY.apply_responses_extensions(ResponsesRequest(input="hi", top_p=top_p)).top_p == 0.95
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], top_p=top_p)
-    assert K3.apply_chat_extensions(chat).top_p == 0.95
+    assert K3_POLICY.apply_chat_extensions(chat).top_p == 0.95
 
 
 @pytest.mark.parametrize(
@@ -139,10 +144,11 @@ def test_policy_pins_top_p(monkeypatch, top_p):
         ("n", 2),
     ],
 )
-def test_policy_rejects(monkeypatch, field, value):
-    monkeypatch.setenv(POLICY_ENV, "1")
+def test_policy_rejects(field, value):
     with pytest.raises(APIError) as exc:
-        K3.apply_chat_extensions(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **{field: value}))
+        K3_POLICY.apply_chat_extensions(
+            ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **{field: value})
+        )
     assert (exc.value.status, exc.value.param) == (400, field)
 
 
@@ -282,24 +288,26 @@ _maybe_float = st.none() | st.floats(-1, 2, allow_nan=False) | st.sampled_from([
 @settings(max_examples=200, deadline=None)
 @given(_maybe_float, _maybe_float, st.booleans())
 def test_policy_agrees_between_chat_and_responses(temperature, top_p, enabled):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(POLICY_ENV, "1" if enabled else "0")
-        results = []
-        for make, apply in (
-            (
-                lambda: ChatCompletionRequest(
-                    messages=[{"role": "user", "content": "x"}], temperature=temperature, top_p=top_p
-                ),
-                K3.apply_chat_extensions,
+    extension = K3_POLICY if enabled else K3
+    results = []
+    for make, apply in (
+        (
+            lambda: ChatCompletionRequest(
+                messages=[{"role": "user", "content": "x"}], temperature=temperature, top_p=top_p
             ),
-            (lambda: ResponsesRequest(input="x", temperature=temperature, top_p=top_p), K3.apply_responses_extensions),
-        ):
-            try:
-                request = apply(make())
-                results.append((request.temperature, request.top_p))
-            except APIError as exc:
-                results.append(exc.param)
-        assert results[0] == results[1]
+            extension.apply_chat_extensions,
+        ),
+        (
+            lambda: ResponsesRequest(input="x", temperature=temperature, top_p=top_p),
+            extension.apply_responses_extensions,
+        ),
+    ):
+        try:
+            request = apply(make())
+            results.append((request.temperature, request.top_p))
+        except APIError as exc:
+            results.append(exc.param)
+    assert results[0] == results[1]
 
 
 @settings(max_examples=100, deadline=None)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
+from hybridserve.config import ExtensionConfig
 from hybridserve.rendering.kimi_k3 import ASSISTANT_OPEN, RESPONSE_OPEN, THINK_OPEN, render_calls
 from hybridserve.serving.app import build_app
-from hybridserve.serving.extensions.policy import POLICY_ENV
+from hybridserve.serving.extensions import extension_for
 from scripts.make_tiny_checkpoints import k3_tokenizer
 
 from .fake_engine import FakeEngine
@@ -135,17 +136,18 @@ def test_explicit_kwargs_win(client, engine):
     assert "thinking_effort=low" in rendered(engine, body)
 
 
-def test_policy_pins_top_p_and_rejects_before_the_engine(client, engine, monkeypatch):
+def test_policy_pins_top_p_and_rejects_before_the_engine(client, engine):
     respond(client)
     assert engine.calls[-1][1].top_p == 1.0  # off by default
-    monkeypatch.setenv(POLICY_ENV, "1")
-    body = respond(client)
-    assert engine.calls[-1][1].top_p == 0.95 and body["top_p"] == 0.95
-    calls = len(engine.calls)
-    r = client.post("/v1/responses", json={"input": "x", "temperature": 1.5})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 2})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    extension = extension_for(engine.model_type, ExtensionConfig(kimi_param_policy=True))
+    with TestClient(build_app(engine, None, extension=extension)) as policy_client:
+        body = respond(policy_client)
+        assert engine.calls[-1][1].top_p == 0.95 and body["top_p"] == 0.95
+        calls = len(engine.calls)
+        r = policy_client.post("/v1/responses", json={"input": "x", "temperature": 1.5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+        r = policy_client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     assert len(engine.calls) == calls
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Protocol
 
+from hybridserve.config import ExtensionConfig
 from hybridserve.sampling_params import StructuredOutput
 from hybridserve.serving.openai.prompt import Prompt, PromptRenderer
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
@@ -33,6 +34,10 @@ class ServingExtension:
     parsers: tuple[str | None, str | None] | None = None
     #: whether the model's markup is special tokens the parsers must see in the text
     keeps_special_tokens = False
+
+    def __init__(self, config: ExtensionConfig | None = None) -> None:
+        #: the deployment's switches (`hybridserve serve` flags); an extension reads its own
+        self.config = ExtensionConfig() if config is None else config
 
     def renderer(self, tokenizer) -> Renderer:
         return PromptRenderer(tokenizer)
@@ -89,5 +94,6 @@ def register(model_type: str):
     return add
 
 
-def extension_for(model_type: str | None) -> ServingExtension:
-    return EXTENSIONS.get(model_type or "", ServingExtension)()
+def extension_for(model_type: str | None, config: ExtensionConfig | None = None) -> ServingExtension:
+    """The extension registered for `model_type` (the generic one if none is), with the deployment's `config`."""
+    return EXTENSIONS.get(model_type or "", ServingExtension)(config)

@@ -25,7 +25,7 @@ from hybridserve.rendering.kimi_k3 import (
 )
 from hybridserve.sampling_params import StructuredOutput
 from hybridserve.serving.extensions.base import RequiredMode, ServingExtension, register
-from hybridserve.serving.extensions.policy import enforce_kimi_param_policy, policy_enabled
+from hybridserve.serving.extensions.policy import enforce_kimi_param_policy
 from hybridserve.serving.extensions.tool_history import prepare_tool_history
 from hybridserve.serving.openai.errors import APIError
 from hybridserve.serving.openai.prompt import Prompt
@@ -125,11 +125,11 @@ def check_system_tools(request: ChatCompletionRequest) -> None:
 R = TypeVar("R", ChatCompletionRequest, ResponsesRequest)
 
 
-def _with_kwargs(request: R, derived: dict[str, Any]) -> R:
+def _with_kwargs(request: R, derived: dict[str, Any], policy: bool) -> R:
     """`request` with the derived kwargs under the client's own, then the sampling policy (when on)."""
     kwargs = {**derived, **(request.chat_template_kwargs or {})}
     request = request.model_copy(update={"chat_template_kwargs": kwargs})
-    return enforce_kimi_param_policy(request) if policy_enabled() else request
+    return enforce_kimi_param_policy(request) if policy else request
 
 
 @register("kimi_k3")
@@ -148,7 +148,7 @@ class KimiK3ServingExtension(ServingExtension):
             **tool_choice_kwargs(request.tool_choice, request.tools),
             **response_format_kwargs(request.response_format, nested=True),
         }
-        return _with_kwargs(request, derived)
+        return _with_kwargs(request, derived, self.config.kimi_param_policy)
 
     def apply_responses_extensions(self, request: ResponsesRequest) -> ResponsesRequest:
         derived = {
@@ -156,7 +156,7 @@ class KimiK3ServingExtension(ServingExtension):
             **tool_choice_kwargs(request.tool_choice, request.tools),
             **response_format_kwargs((request.text or {}).get("format"), nested=False),
         }
-        return _with_kwargs(request, derived)
+        return _with_kwargs(request, derived, self.config.kimi_param_policy)
 
     def prepare_responses_history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return prepare_tool_history(messages)

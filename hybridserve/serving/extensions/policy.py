@@ -1,4 +1,4 @@
-"""The Kimi sampling-parameter policy (`HYBRIDSERVE_KIMI_PARAM_POLICY=1`, off by default).
+"""The Kimi sampling-parameter policy (`ExtensionConfig.kimi_param_policy`: `--kimi-param-policy`, off by default).
 
 One implementation for every request type: it checks only the sampling fields the request's model
 declares (a chat request has them all, a Responses request only temperature and top_p). top_p unset or
@@ -8,21 +8,15 @@ declares (a chat request has them all, a Responses request only temperature and 
 
 from __future__ import annotations
 
-import os
 from typing import TypeVar
 
 from pydantic import BaseModel
 
 from hybridserve.serving.openai.errors import APIError
 
-POLICY_ENV = "HYBRIDSERVE_KIMI_PARAM_POLICY"
 PINNED_TOP_P = 0.95
 PENALTIES = ("presence_penalty", "frequency_penalty")
 M = TypeVar("M", bound=BaseModel)
-
-
-def policy_enabled() -> bool:
-    return os.environ.get(POLICY_ENV, "0") == "1"
 
 
 def _reject(param: str, value: object, allowed: str) -> APIError:
