@@ -154,6 +154,17 @@ class CompletionRequest(SamplingRequest):
             raise APIError(400, "echo with logprobs is not supported: prompt logprobs are not computed.", param="echo")
 
 
+def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """One page of a list endpoint (files, batches, input items), in OpenAI's cursor form."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
 def _default(value, default):
     return default if value is None else value
 

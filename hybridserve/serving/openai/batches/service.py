@@ -9,6 +9,7 @@ from hybridserve.serving.openai.batches.runner import BatchRunner, BatchSettings
 from hybridserve.serving.openai.batches.store import BatchStore
 from hybridserve.serving.openai.errors import APIError
 from hybridserve.serving.openai.files.service import FilesService
+from hybridserve.serving.openai.protocol import list_page
 
 
 def batch_not_found(batch_id: str) -> APIError:
@@ -69,13 +70,7 @@ class BatchesService:
         except KeyError:
             raise APIError(404, f"No batch with id '{after}'.", param="after", code="not_found") from None
         data = [batch.body() for batch in batches]
-        return {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": has_more,
-        }
+        return list_page(data, has_more)
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         """`cancelling` at once; the runner aborts what is in flight and ends the batch `cancelled`."""

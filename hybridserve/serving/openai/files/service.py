@@ -11,6 +11,7 @@ from starlette.responses import FileResponse
 from hybridserve.serving.openai.errors import APIError
 from hybridserve.serving.openai.files.store import FileStore, StoredFile, new_file_id
 from hybridserve.serving.openai.files.upload import receive_upload
+from hybridserve.serving.openai.protocol import list_page
 
 PURPOSES = ("batch", "user_data")
 
@@ -64,13 +65,7 @@ class FilesService:
         except KeyError:
             raise file_not_found(after or "", "after") from None
         data = [f.body() for f in files]
-        return {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": has_more,
-        }
+        return list_page(data, has_more)
 
     def get(self, file_id: str, param: str = "file_id") -> StoredFile:
         stored = self.store.get(file_id)

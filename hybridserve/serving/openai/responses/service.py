@@ -22,7 +22,7 @@ from hybridserve.serving.openai.errors import APIError, json_response
 from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, request_priority
 from hybridserve.serving.openai.models import check_model
 from hybridserve.serving.openai.prompt import Prompt
-from hybridserve.serving.openai.protocol import SamplingRequest
+from hybridserve.serving.openai.protocol import SamplingRequest, list_page
 from hybridserve.serving.openai.responses.background import BackgroundRuns
 from hybridserve.serving.openai.responses.events import ResponseRun
 from hybridserve.serving.openai.responses.protocol import (
@@ -181,13 +181,7 @@ class ResponsesService:
         if page is None:
             raise response_not_found(response_id)
         data, has_more = page
-        return {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": has_more,
-        }
+        return list_page(data, has_more)
 
     def _prompt(
         self,
