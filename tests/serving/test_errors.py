@@ -265,7 +265,7 @@ def test_engine_error_stream_ends_with_error_chunk_then_done(client, engine):
 def test_engine_abort_while_client_connected_is_an_error(client, engine, monkeypatch):
     from hybridserve.engine.outputs import CompletionOutput, RequestOutput
 
-    async def aborted(prompt, params, request_id):
+    async def aborted(prompt, params, request_id, priority=0):
         yield RequestOutput(request_id, len(prompt), 0, CompletionOutput(0, "", [], None, "", 0, "abort"), True)
 
     monkeypatch.setattr(engine, "generate", aborted)
