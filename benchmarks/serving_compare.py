@@ -13,6 +13,10 @@ and name it as the baseline; it runs on this checkout's virtual environment.
 
   git worktree add ../hybridserve-base <commit>
   .venv/bin/python benchmarks/serving_compare.py --servers hybridserve,baseline --baseline ../hybridserve-base
+
+On a noisy machine whichever server runs first can win by the minute's luck: `--rounds N` runs the servers N
+times, in reverse order every other round, and the table and plot show each level's median over the rounds
+(peak RSS: the largest; the CSV keeps every round's rows).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -32,7 +37,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, fields, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +64,7 @@ class Row:
     ttft_p99_ms: float | None
     itl_p50_ms: float | None
     peak_rss_mib: float
+    round: int = 0
 
 
 def say(message: str) -> None:
@@ -308,13 +314,40 @@ def run_level(name: str, conc: int, proc: subprocess.Popen[bytes], args: argpars
     return row
 
 
-def bench_server(name: str, args: argparse.Namespace, rows: list[Row]) -> None:
+def bench_server(name: str, args: argparse.Namespace, rows: list[Row], round_: int) -> None:
     """Appends one row per level as it is measured, so a later failure keeps the levels already done."""
-    log = args.out / f"{name}_{args.stamp}.log"
+    log = args.out / f"{name}_{args.stamp}_r{round_}.log"
     with running_server(name, args, log) as proc:
         for conc in args.conc:
-            say(f"{name}: conc {conc}, {conc * args.waves} requests of {args.max_tokens} tokens")
-            rows.append(run_level(name, conc, proc, args, log))
+            say(f"{name}: round {round_}, conc {conc}, {conc * args.waves} requests of {args.max_tokens} tokens")
+            rows.append(replace(run_level(name, conc, proc, args, log), round=round_))
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 2) if known else None
+
+
+def summarise(rows: list[Row]) -> list[Row]:
+    """One row per server and level over its rounds: medians of the rates and latencies, the largest RSS."""
+    summary = []
+    for server, conc in dict.fromkeys((row.server, row.conc) for row in rows):
+        mine = [row for row in rows if (row.server, row.conc) == (server, conc)]
+        summary.append(
+            Row(
+                server,
+                conc,
+                sum(row.requests for row in mine),
+                sum(row.errors for row in mine),
+                _median([row.output_tok_s for row in mine]),
+                _median([row.ttft_p50_ms for row in mine]),
+                _median([row.ttft_p99_ms for row in mine]),
+                _median([row.itl_p50_ms for row in mine]),
+                max(row.peak_rss_mib for row in mine),
+                len(mine),
+            )
+        )
+    return summary
 
 
 # ---- outputs ------------------------------------------------------------------------------------------------
@@ -399,6 +432,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hybridserve-args", default="", help="extra arguments for `hybridserve serve`, one string")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
     p.add_argument("--baseline", type=Path, default=None, help="an earlier hybridserve checkout, served as `baseline`")
+    p.add_argument("--rounds", type=int, default=1, help="run the servers this many times, alternating their order")
     args = p.parse_args(argv)
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     if not args.servers or any(s not in SERVERS for s in args.servers):
@@ -409,8 +443,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.conc = [int(c) for c in args.conc.split(",")]
     except ValueError:
         p.error(f"--conc: expected comma-separated integers, got {args.conc!r}")
-    if any(c < 1 for c in args.conc) or args.max_tokens < 1 or args.waves < 1:
-        p.error("--conc levels, --max-tokens and --waves must be positive")
+    if any(c < 1 for c in args.conc) or args.max_tokens < 1 or args.waves < 1 or args.rounds < 1:
+        p.error("--conc levels, --max-tokens, --waves and --rounds must be positive")
     for script in ("loadgen.py", "peer-vllm.sh"):
         if not (args.bench_dir / script).is_file():
             p.error(f"--bench-dir: {args.bench_dir / script} not found")
@@ -429,9 +463,13 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 def write_outputs(rows: list[Row], args: argparse.Namespace) -> None:
     csv_path, png_path = args.out / f"serving_{args.stamp}.csv", args.out / f"serving_{args.stamp}.png"
     write_csv(rows, csv_path)
-    write_png(rows, png_path)
+    summary = summarise(rows)
+    write_png(summary, png_path)
     say(f"wrote {csv_path} and {png_path}")
-    print(markdown_table(rows), flush=True)
+    rounds = max(row.round for row in rows) + 1
+    if rounds > 1:
+        print(f"Medians over {rounds} rounds (servers in reverse order every other round):", flush=True)
+    print(markdown_table(summary), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -441,12 +479,15 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     failed: list[str] = []
     try:
-        for name in args.servers:
-            try:
-                bench_server(name, args, rows)
-            except ServerFailed as exc:
-                say(f"ERROR: {exc}")
-                failed.append(name)
+        for round_ in range(args.rounds):
+            for name in args.servers if round_ % 2 == 0 else reversed(args.servers):
+                if name in failed:
+                    continue
+                try:
+                    bench_server(name, args, rows, round_)
+                except ServerFailed as exc:
+                    say(f"ERROR: {exc}")
+                    failed.append(name)
     except KeyboardInterrupt as exc:
         say(f"interrupted ({str(exc) or 'Ctrl-C'}); servers stopped")
         return 130
