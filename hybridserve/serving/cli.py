@@ -192,17 +192,24 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 class ReadyServer(uvicorn.Server):
-    """Logs one ready line with the bound URL once the socket listens."""
+    """Logs one ready line with the bound URL once the socket listens, and stops the engine's processes as
+    part of its own shutdown: uvicorn re-raises the signal that stopped it afterwards, and SIGTERM's default
+    action ends the process at once, before any `finally` of the caller could run."""
 
-    def __init__(self, config: uvicorn.Config, model_name: str) -> None:
+    def __init__(self, config: uvicorn.Config, model_name: str, on_shutdown: Callable[[], None]) -> None:
         super().__init__(config)
         self.model_name = model_name
+        self.on_shutdown = on_shutdown
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             logger.info("hybridserve ready: serving %s at http://%s:%d/v1", self.model_name, host, port)
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        self.on_shutdown()
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -225,6 +232,17 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     engine = AsyncLLM.from_config(config)
     pool = None
+    stopped = False
+
+    def stop() -> None:
+        """The worker processes and their socket directories, once: at server shutdown, or on an error."""
+        nonlocal stopped
+        if not stopped:
+            stopped = True
+            if pool is not None:
+                pool.shutdown()
+            engine.shutdown()
+
     try:
         extension = extension_for(engine.model_type, extension_config)
         parsers = default_parsers(engine.tokenizer, extension, args.reasoning_parser, args.tool_parser)
@@ -235,11 +253,9 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             engine, args.api_key, args.data_dir, retention, parsers, pool, extension, batch_settings=batches
         )
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-        ReadyServer(server_config, engine.model_name).run()
+        ReadyServer(server_config, engine.model_name, stop).run()
     finally:
-        if pool is not None:
-            pool.shutdown()
-        engine.shutdown()
+        stop()
 
 
 def main(argv: list[str] | None = None) -> int | None:

@@ -30,7 +30,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(log: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen]]:
+def running_server(log: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """A real `hybridserve serve [args]` subprocess, healthy, stopped (SIGINT) on exit."""
     port = free_port()
     cmd = [
@@ -51,7 +51,7 @@ def running_server(log: Path, *args: str) -> Iterator[tuple[str, subprocess.Pope
         str(log.parent / "data"),
     ]
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env or os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -310,3 +310,20 @@ def test_responses_required_tool_choice_gives_a_valid_call(client):
     [call] = [item for item in r.output if item.type == "function_call"]
     assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
     assert r.status == "completed"
+
+
+def test_sigterm_stops_the_workers_and_removes_their_sockets(tmp_path):
+    """A supervisor's SIGTERM: the server, its engine worker and post-processing worker all exit, and the
+    socket directories they used under $TMPDIR are gone."""
+    sockets = tmp_path / "tmp"
+    sockets.mkdir()
+    env = {**os.environ, "TMPDIR": str(sockets)}
+    with running_server(tmp_path / "server.log", "--num-postprocess-workers", "1", env=env) as (_, proc):
+        assert sorted(p.name.rsplit("-", 1)[0] for p in sockets.glob("hybridserve-*")) == [
+            "hybridserve-engine",
+            "hybridserve-postprocess",
+        ]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert proc.returncode == -signal.SIGTERM  # uvicorn's shutdown re-raises the signal, after ours
+    assert list(sockets.glob("hybridserve-*")) == []  # (torch keeps its own compile cache there)
