@@ -32,7 +32,7 @@ def served(tokenizer):
     logging.getLogger("hybridserve.serve").setLevel(logging.INFO)
     engine = FakeEngine(tokenizer, [PARIS])
     config = uvicorn.Config(build_app(engine, "sk-test"), host="127.0.0.1", port=0, log_level="warning")
-    server = ReadyServer(config, engine.model_name)
+    server = ReadyServer(config, engine.model_name, engine.shutdown)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
