@@ -95,16 +95,15 @@ class Scheduler:
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         """The plan's entry for `n` tokens of `req`, whose blocks are allocated; books its snapshot."""
         start = req.num_computed_tokens
-        table = self.kv.block_ids(req.request_id)
         sent = self._blocks_sent.get(req.request_id)
-        self._blocks_sent[req.request_id] = len(table)
+        self._blocks_sent[req.request_id] = self.kv.num_blocks(req.request_id)  # a diff only: not the whole table
         slot = self.kv.state_slot(req.request_id) if self.kv.states is not None else -1
         self.kv.plan_snapshot(req, start + n)
         return ScheduledRequest(
             req.request_id,
             start,
             req.token_ids_range(start, start + n),
-            table if sent is None else table[sent:],
+            self.kv.block_ids(req.request_id, sent or 0),
             sent is None,
             start + n == req.num_tokens,
             slot,

@@ -67,8 +67,12 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks[request_id]]
+    def num_blocks(self, request_id: str) -> int:
+        return len(self.req_blocks[request_id])
+
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block table from block `start` on."""
+        return [b.block_id for b in self.req_blocks[request_id][start:]]
 
     def state_slot(self, request_id: str) -> int:
         if self.states is None:
