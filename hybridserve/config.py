@@ -89,11 +89,14 @@ class EngineConfig:
         "compiler ($CC, default cc); PyTorch ops if they cannot be built, and always on CUDA",
     )
     seed: int = setting(0, "engine random seed")
+    num_threads: int | None = setting(
+        None, "CPU threads of each engine worker (default: the machine's cores, divided among --num-workers)"
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidParameter("dtype", f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes", "num_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidParameter(name, f"{name} must be positive, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -117,6 +120,65 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 2048 if device_type == "cuda" else 512
+
+
+ROUTING = ("round_robin", "least_load", "kv_aware")
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    """Which engine workers one frontend uses and how it routes among them (docs/deployment.md)."""
+
+    workers: list[str] | None = setting(
+        None,
+        "a remote engine worker (`hybridserve worker`) to use, as tcp://HOST:PORT; repeat for several",
+        flag="--worker",
+        metavar="URL",
+    )
+    num_workers: int | None = setting(
+        None,
+        "engine workers to start on this host, each with its share of the CPU threads (default: 1 without "
+        "--worker, else 0)",
+    )
+    routing: str | None = setting(
+        None,
+        "how a new request picks its worker (default: kv_aware with more than one worker)",
+        choices=ROUTING,
+    )
+    routing_temperature: float = setting(
+        0.0, "kv_aware and least_load: 0 picks the cheapest worker; above 0 draws among near-equal ones"
+    )
+    worker_timeout: float = setting(
+        10.0, "seconds without a heartbeat after which a worker counts as down (its requests fail, others go on)"
+    )
+    worker_api_key: str | None = setting(
+        None, "the shared secret remote workers expect (their --api-key); $HYBRIDSERVE_WORKER_API_KEY also sets it"
+    )
+
+    def __post_init__(self) -> None:
+        if self.num_workers is not None and self.num_workers < 0:
+            raise InvalidParameter("num_workers", f"num_workers must be >= 0, got {self.num_workers}")
+        if self.local_workers + len(self.workers or ()) < 1:
+            raise InvalidParameter("num_workers", "a deployment needs at least one worker: --num-workers or --worker")
+        if self.routing is not None and self.routing not in ROUTING:
+            raise InvalidParameter("routing", f"routing must be one of {ROUTING}, got {self.routing!r}")
+        if not 0 <= self.routing_temperature < float("inf"):
+            raise InvalidParameter(
+                "routing_temperature",
+                f"routing_temperature must be a finite number >= 0, got {self.routing_temperature}",
+            )
+        if not 0 < self.worker_timeout < float("inf"):
+            raise InvalidParameter("worker_timeout", f"worker_timeout must be positive, got {self.worker_timeout}")
+
+    @property
+    def local_workers(self) -> int:
+        return self.num_workers if self.num_workers is not None else 0 if self.workers else 1
+
+    @property
+    def routing_policy(self) -> str:
+        if self.routing is not None:
+            return self.routing
+        return "kv_aware" if self.local_workers + len(self.workers or ()) > 1 else "round_robin"
 
 
 @dataclass(frozen=True)

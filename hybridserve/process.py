@@ -56,9 +56,10 @@ def die_with_parent() -> None:
 
 
 class ChildEnd:
-    """A child's side: it dies with its parent, and has an inbox it pulls from and an outbox it pushes to."""
+    """A child's side: it dies with its parent, and has an inbox it pulls from and an outbox it pushes to (a child
+    that serves on sockets of its own, like an engine worker, has neither)."""
 
-    def __init__(self, in_addr: str, out_addr: str) -> None:
+    def __init__(self, in_addr: str | None = None, out_addr: str | None = None) -> None:
         self.name = multiprocessing.current_process().name
         parent = multiprocessing.parent_process()
         self.parent = os.getppid() if parent is None else parent.pid
@@ -67,9 +68,11 @@ class ChildEnd:
             raise SystemExit(f"{self.name}: parent process {self.parent} is gone")
         ctx = zmq.Context()
         self.inbox = ctx.socket(zmq.PULL)
-        self.inbox.connect(in_addr)
         self.outbox = ctx.socket(zmq.PUSH)
-        self.outbox.connect(out_addr)
+        if in_addr is not None:
+            self.inbox.connect(in_addr)
+        if out_addr is not None:
+            self.outbox.connect(out_addr)
         self._encode = msgspec.msgpack.Encoder().encode
 
     def orphaned(self) -> bool:
@@ -119,6 +122,11 @@ class ChildProcesses:
         process.start()
         self.processes.append(process)
         return process
+
+    def forget(self, process: BaseProcess) -> None:
+        """A child that has exited and is replaced: shutdown no longer waits for it."""
+        process.join(0)
+        self.processes.remove(process)
 
     def wait_ready(self, inbox: zmq.asyncio.Socket, timeout_s: float) -> dict[str, bytes]:
         """Block (before any event loop runs) until every child has reported ready on `inbox`; what each sent

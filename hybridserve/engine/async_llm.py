@@ -15,15 +15,18 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from hybridserve.config import EngineConfig
-from hybridserve.engine.client import EngineClient, ProcessEngineClient
+from hybridserve.engine.client import EngineClient
 from hybridserve.engine.fanout import expand
 from hybridserve.engine.output_processor import ChoiceOutputs
 from hybridserve.engine.outputs import RequestOutput
-from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats
-from hybridserve.models.loader import resolve_model
+from hybridserve.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+    WorkerStatus,
+)
 from hybridserve.sampling_params import SamplingParams
-from hybridserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("hybridserve.engine")
 
@@ -69,17 +72,15 @@ class AsyncLLM:
         self._reader: asyncio.Task[None] | None = None
         self._dead: str | None = None
 
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLM:
-        """The server's engine: a worker process."""
-        resolved = resolve_model(config.model)
-        tokenizer = load_tokenizer(resolved.hf_dir)
-        client = ProcessEngineClient(config, resolved.hf_dir)
-        name = config.served_model_name or resolved.name
-        return cls(client, tokenizer, name, eos_token_ids(resolved.hf_dir, tokenizer), resolved.hf_dir)
-
     def stats(self) -> SchedulerStats:
         return self.client.stats()
+
+    def workers(self) -> list[WorkerStatus]:
+        return self.client.workers()
+
+    def start(self) -> None:
+        """Starts reading the engine's outputs (and, with it, the router's heartbeats) before any request."""
+        self._ensure_reader()
 
     async def check_health(self) -> None:
         if self._dead is not None:
@@ -112,8 +113,12 @@ class AsyncLLM:
         self._ensure_reader()
         for request in requests:
             self._routes[request.request_id] = route
-        for request in requests:
-            self.client.add_request(request)
+        try:
+            await self.client.add_requests(requests)
+        except BaseException:
+            for request in requests:
+                self._routes.pop(request.request_id, None)
+            raise
 
     def release(self, request_ids: list[str], abort: list[str]) -> None:
         """Stops routing these requests' outputs; the engine also stops its work on those in `abort`."""

@@ -12,6 +12,7 @@ import torch
 import xgrammar as xgr
 
 from hybridserve.config import EngineConfig
+from hybridserve.engine.cache.events import KVEventLog
 from hybridserve.engine.cache.manager import KVCacheManager
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.plan import SchedulerOutput
@@ -42,9 +43,12 @@ class _Compiling(NamedTuple):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, hf_dir: Path) -> None:
+    def __init__(self, config: EngineConfig, hf_dir: Path, events: KVEventLog | None = None) -> None:
+        """`events`: where the prefix cache reports what it gains and loses (a worker publishes it)."""
         # Requests without a seed draw from the global generators: --seed makes a server's run reproducible.
         torch.manual_seed(config.seed)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.runner = ModelRunner(config, hf_dir)
         self.max_model_len = min(config.max_model_len or self.runner.max_position, self.runner.max_position)
         self.kv = KVCacheManager(
@@ -53,6 +57,7 @@ class EngineCore:
             config.enable_prefix_caching,
             self.runner.num_state_slots,
             self.runner.num_state_snapshots,
+            events,
         )
         self.scheduler = Scheduler(config, self.kv, self.runner.device.type)
         self.grammar_bitmask = GrammarBitmask(self.runner.vocab_size)

@@ -73,7 +73,7 @@ class SequenceOutput:
             self._stop_reason = out.stop_reason
         if not delta and not self.finished:
             return None
-        return self._report(delta, out.error)
+        return self._report(delta, out.error, out.unavailable)
 
     def _ends_on_stop_token(self, out: EngineCoreOutput) -> bool:
         """The engine stopped on EOS or a stop token id, whose text is left out unless asked for."""
@@ -120,7 +120,7 @@ class SequenceOutput:
                     break
         return longest
 
-    def _report(self, delta: str, error: str | None) -> CompletionOutput:
+    def _report(self, delta: str, error: str | None, unavailable: bool = False) -> CompletionOutput:
         ids, logprobs = self._ids, self._logprobs
         self._ids, self._logprobs = [], []
         return CompletionOutput(
@@ -133,6 +133,7 @@ class SequenceOutput:
             finish_reason=self._finish_reason,
             stop_reason=self._stop_reason,
             error=error,
+            unavailable=unavailable,
         )
 
     def _convert(self, lp: TokenLogprobs) -> Logprob:

@@ -37,6 +37,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
+    unavailable: bool = False  # with finish reason error: its worker went down; retrying may succeed
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import enum
 
 import msgspec
 
+from hybridserve.engine.cache.events import CachedSet
 from hybridserve.sampling_params import SamplingParams
 
 
@@ -41,6 +42,10 @@ class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
     top: list[tuple[int, float]]
 
 
+class EngineUnavailable(RuntimeError):
+    """No engine worker can take the request now (they are down or refused); retrying later may succeed."""
+
+
 class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True):
     request_id: str
     new_token_ids: list[int]
@@ -50,6 +55,7 @@ class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    unavailable: bool = False  # with finish reason error: the worker serving it went down (retrying may succeed)
 
 
 class SchedulerStats(msgspec.Struct, frozen=True, array_like=True):
@@ -77,11 +83,47 @@ class AddRequest(msgspec.Struct, frozen=True, array_like=True, tag=True):
     request: EngineCoreRequest
 
 
-class Shutdown(msgspec.Struct, frozen=True, array_like=True, tag=True):
+class Hello(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """A frontend's first message to a worker. A new `session` of the same `frontend` ends the old one's requests."""
+
+    frontend: str
+    session: str
+    secret: str = ""
+
+
+class Ping(msgspec.Struct, frozen=True, array_like=True, tag=True):
     pass
 
 
-EngineInput = AddRequest | AbortRequests | Shutdown
+class GetCachedSet(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """Ask for the worker's whole prefix cache (answered with a `CachedSet`), after missing a KV event batch."""
+
+
+EngineInput = AddRequest | AbortRequests | Hello | Ping | GetCachedSet
+
+
+class Pong(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    stats: SchedulerStats
+
+
+class Refused(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """The worker will not serve this frontend (a wrong secret, a message before Hello)."""
+
+    error: str
+
+
+class WorkerStatus(msgspec.Struct, frozen=True):
+    """One engine worker as the frontend sees it, for /health and /metrics."""
+
+    name: str
+    state: str  # up, connecting, down, refused
+    error: str | None  # why it is down or refused
+    stats: SchedulerStats
+    policy: str = ""  # the routing policy that sends it requests
+    load_tokens: int = 0  # tokens of the requests routed to it and not finished
+    routed_hits: int = 0  # requests routed to it that matched cached blocks there
+    routed_misses: int = 0
+    matched_blocks: int = 0
 
 
 class EngineFacts(msgspec.Struct, frozen=True, array_like=True):
@@ -91,3 +133,34 @@ class EngineFacts(msgspec.Struct, frozen=True, array_like=True):
     vocab_size: int
     num_kv_blocks: int
     block_size: int
+
+
+class WorkerIdentity(msgspec.Struct, frozen=True, array_like=True):
+    """What a frontend checks before it trusts a worker: the model it loaded, by content, and how it runs it."""
+
+    model: str  # the checkpoint's name (a directory's or a GGUF file's)
+    weights: str  # fingerprint of the weight files
+    tokenizer: str  # fingerprint of the tokenizer and chat-template files
+    dtype: str
+    recurrent_state: bool  # the model has linear-attention layers: prefix hits need state snapshots
+    facts: EngineFacts
+
+    def mismatch(self, other: WorkerIdentity) -> str | None:
+        """The first field in which `other` differs from this identity, as 'name: theirs != ours'."""
+        mine = {**msgspec.structs.asdict(self), **msgspec.structs.asdict(self.facts)}
+        theirs = {**msgspec.structs.asdict(other), **msgspec.structs.asdict(other.facts)}
+        for name in ("model", "weights", "tokenizer", "dtype", "block_size", "max_model_len", "vocab_size"):
+            if mine[name] != theirs[name]:
+                return f"{name} {theirs[name]!r} != {mine[name]!r}"
+        return None
+
+
+class Welcome(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """A worker's answer to Hello: who it is, and where its KV-event PUB socket is bound (for tcp, a frontend
+    connects to that port on the host it reached the worker at)."""
+
+    identity: WorkerIdentity
+    events_address: str
+
+
+WorkerOutput = EngineCoreOutputs | Pong | Refused | Welcome | CachedSet

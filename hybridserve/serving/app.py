@@ -66,7 +66,7 @@ def build_app(
     `extension` handles model-specific requests (default: the one registered for the engine's model_type).
     `batch_settings` bounds the Files and Batch APIs (default: BatchSettings()); file bytes live under `data_dir`.
     """
-    metrics = ServingMetrics(engine.model_name, engine.stats)
+    metrics = ServingMetrics(engine.model_name, engine.workers)
     db = Database(":memory:" if data_dir is None else Path(data_dir) / DATABASE_FILE)
     store = ResponseStore(db, retention)
     if extension is None:
@@ -80,6 +80,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()  # the engine's output reader and the router's heartbeats
         files_and_batches.start()  # resumes the batches a previous server left unfinished
         yield
         await files_and_batches.stop()  # batches stay resumable
@@ -102,7 +103,8 @@ def build_app(
             raise APIError(
                 503, f"The engine is not healthy: {exc}", type=SERVER_ERROR, code="engine_unhealthy"
             ) from exc
-        return json_response({"status": "ok"})
+        workers = [{"name": w.name, "state": w.state, "error": w.error} for w in engine.workers()]
+        return json_response({"status": "ok", "workers": workers})
 
     @app.get("/version")
     async def get_version() -> Response:

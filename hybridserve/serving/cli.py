@@ -1,4 +1,5 @@
-"""`hybridserve serve [MODEL]`: one HTTP frontend plus one local engine process."""
+"""The command line: `hybridserve serve [MODEL]` (the HTTP frontend over its engine workers, local ones by
+default) and `hybridserve worker [MODEL]` (a standalone engine worker for a frontend on another host)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import uvicorn
+import yaml
 
-from hybridserve.config import EngineConfig, ExtensionConfig, parse_bytes
+from hybridserve.config import DeploymentConfig, EngineConfig, ExtensionConfig, parse_bytes
 from hybridserve.sampling_params import InvalidParameter
 from hybridserve.serving.openai.batches.runner import BatchSettings
 from hybridserve.serving.openai.responses.store import Retention
@@ -32,8 +34,12 @@ def add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
     for f in dataclasses.fields(config):
         options = dict(f.metadata)
         positional = options.pop("positional", False)
+        flag = options.pop("flag", "--" + f.name.replace("_", "-"))
         kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
         default = f.default
+        if typing.get_origin(kind) is list:  # a repeatable flag
+            options["action"] = "append"
+            (kind,) = typing.get_args(kind)
         if kind is bool:
             options["action"] = argparse.BooleanOptionalAction
             if "env" in options:
@@ -45,7 +51,7 @@ def add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
         if positional:
             parser.add_argument(f.name, nargs="?", default=default, **options)
         else:
-            parser.add_argument("--" + f.name.replace("_", "-"), default=default, **options)
+            parser.add_argument(flag, dest=f.name, default=default, **options)
 
 
 def _bool_from_env(parser: argparse.ArgumentParser, variable: str, default: bool) -> bool:
@@ -79,11 +85,21 @@ def default_data_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".local" / "share" / "hybridserve"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(serve_defaults: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+    """`serve_defaults` (a deployment file's values, by flag dest) replace serve's defaults; strings among them
+    are parsed as the flag would parse them."""
     parser = argparse.ArgumentParser(prog="hybridserve", description="Serve LLMs behind the OpenAI API.")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve", help="serve one model over HTTP", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    serve.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="DEPLOY_YAML",
+        help="a YAML deployment file whose keys are these flags' names (docs/deployment.md); flags given on "
+        "the command line win over it",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind")
     serve.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
@@ -135,14 +151,57 @@ def build_parser() -> argparse.ArgumentParser:
         "(0: on the event loop; background responses always run there)",
     )
     add_config_flags(serve, EngineConfig)
+    add_config_flags(serve, DeploymentConfig)
     add_config_flags(serve, ExtensionConfig)
-    serve.add_argument(
+    add_log_level(serve)
+    serve.set_defaults(**(serve_defaults or {}))
+    worker = commands.add_parser(
+        "worker",
+        help="run one engine worker for frontends on other hosts",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    worker.add_argument(
+        "--listen",
+        default="tcp://127.0.0.1:8100",
+        help="address to serve frontends on (tcp://HOST:PORT); off loopback it needs --api-key",
+    )
+    worker.add_argument(
+        "--api-key",
+        default=None,
+        help="shared secret frontends must send (their --worker-api-key); $HYBRIDSERVE_WORKER_API_KEY also sets it",
+    )
+    add_config_flags(worker, EngineConfig)
+    add_log_level(worker)
+    return parser
+
+
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
         help="logging level for hybridserve and uvicorn",
     )
-    return parser
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    """Parses `argv`; with `serve --config FILE`, the file's keys become the flags' defaults first."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) is None:
+        return args, parser
+    try:
+        values = yaml.safe_load(args.config.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"--config {args.config}: {exc}")
+    if not isinstance(values, dict):
+        parser.error(f"--config {args.config}: expected a mapping of flag names to values, got {type(values).__name__}")
+    known = set(vars(args)) - {"command", "config"}
+    unknown = sorted(str(k) for k in values if str(k).replace("-", "_") not in known)
+    if unknown:
+        parser.error(f"--config {args.config}: unknown keys {unknown} (keys are serve's flag names)")
+    parser = build_parser({str(k).replace("-", "_"): v for k, v in values.items()})
+    return parser.parse_args(argv), parser
 
 
 def add_batch_flags(serve: argparse.ArgumentParser) -> None:
@@ -191,6 +250,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return config_from(EngineConfig, args)
 
 
+def worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from hybridserve.engine.worker import check_listen_address, run_standalone_worker  # heavy (torch)
+    from hybridserve.models.loader import resolve_model
+
+    try:
+        config = engine_config(args)
+    except InvalidParameter as exc:
+        parser.error(f"--{exc.param.replace('_', '-')}: {exc}")
+    secret = args.api_key or os.environ.get("HYBRIDSERVE_WORKER_API_KEY", "")
+    try:
+        check_listen_address(args.listen, secret)
+        resolved = resolve_model(config.model)
+    except ValueError as exc:
+        parser.error(str(exc))
+    run_standalone_worker(config, resolved.hf_dir, resolved.name, args.listen, secret)
+
+
 class ReadyServer(uvicorn.Server):
     """Logs one ready line with the bound URL once the socket listens, and stops the engine's processes as
     part of its own shutdown: uvicorn re-raises the signal that stopped it afterwards, and SIGTERM's default
@@ -215,6 +291,7 @@ class ReadyServer(uvicorn.Server):
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         config = engine_config(args)
+        deployment = config_from(DeploymentConfig, args)
         extension_config = config_from(ExtensionConfig, args)
     except InvalidParameter as exc:
         parser.error(f"--{exc.param.replace('_', '-')}: {exc}")
@@ -225,12 +302,12 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error(f"--{flag.replace('_', '-')}: must be at least 0 (0 means unlimited), got {value}")
     retention = Retention(args.response_store_max_count, args.response_store_max_age)
     batches = batch_settings(args, parser)
-    from hybridserve.engine.async_llm import AsyncLLM  # heavy (torch): imported only to serve
+    from hybridserve.router.deploy import build_engine  # heavy (torch): imported only to serve
     from hybridserve.serving.app import build_app, default_parsers
     from hybridserve.serving.extensions import extension_for
     from hybridserve.serving.postprocess import PostprocessPool
 
-    engine = AsyncLLM.from_config(config)
+    engine = build_engine(config, deployment)
     pool = None
     stopped = False
 
@@ -259,14 +336,16 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int | None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args, parser = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "serve":
-        try:
-            serve(args, parser)
-        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown
-            return 130
+    if args.command == "worker":
+        worker_command(args, parser)
+        return None
+    try:
+        serve(args, parser)
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown
+        return 130
+    return None
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from typing import Protocol
 from transformers import PreTrainedTokenizerBase
 
 from hybridserve.engine.outputs import RequestOutput
-from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats, WorkerStatus
 from hybridserve.sampling_params import SamplingParams
 
 
@@ -21,6 +21,14 @@ class ServingEngine(Protocol):
     eos_token_ids: list[int]
 
     def stats(self) -> SchedulerStats: ...
+
+    def workers(self) -> list[WorkerStatus]:
+        """Each engine worker's state, stats and routing counts."""
+        ...
+
+    def start(self) -> None:
+        """Begins the engine's background work (called once the event loop runs)."""
+        ...
 
     async def check_health(self) -> None:
         """Raises saying why when the engine cannot serve."""

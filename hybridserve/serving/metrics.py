@@ -1,7 +1,8 @@
 """Prometheus metrics for one app: request outcomes, tokens, latencies, engine scheduler state, and batches.
 
 Each app owns its CollectorRegistry (no process globals), so several apps can live in one process.
-Names follow vLLM's (`vllm:` → `hybridserve:`); engine state is read from `engine.stats()` at scrape time.
+Names follow vLLM's (`vllm:` → `hybridserve:`); engine state is read from `engine.workers()` at scrape time, one
+series per engine worker (label `worker`), with the router's decisions per worker.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from hybridserve.engine.protocol import SchedulerStats
+from hybridserve.engine.protocol import SchedulerStats, WorkerStatus
 
 OUTCOMES = ("stop", "length", "abort", "error")
 BATCH_OUTCOMES = ("completed", "failed", "expired")
@@ -29,7 +30,7 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 class ServingMetrics:
     """The frontend's instruments, bound to one model name; `render()` is the /metrics body."""
 
-    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]) -> None:
+    def __init__(self, model_name: str, workers: Callable[[], list[WorkerStatus]]) -> None:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         names = list(labels)
@@ -64,7 +65,7 @@ class ServingMetrics:
             "Time from request arrival to its last token.",
             E2E_BUCKETS,
         )
-        self.registry.register(_EngineStatsCollector(stats, labels))
+        self.registry.register(_EngineStatsCollector(workers, labels))
         batch_requests = Counter(
             "hybridserve:batch_requests",
             "Batch requests by outcome: completed (output file), failed (error file), expired (never run).",
@@ -111,18 +112,43 @@ _ENGINE_METRICS = (
 
 
 class _EngineStatsCollector:
-    """Reads the engine's latest scheduler stats when Prometheus scrapes."""
+    """Reads each engine worker's latest scheduler stats and routing counts when Prometheus scrapes."""
 
-    def __init__(self, stats: Callable[[], SchedulerStats], labels: dict[str, str]) -> None:
-        self.stats = stats
-        self.names, self.values = list(labels), list(labels.values())
+    def __init__(self, workers: Callable[[], list[WorkerStatus]], labels: dict[str, str]) -> None:
+        self.workers = workers
+        self.names, self.values = [*labels, "worker"], list(labels.values())
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats()
+        workers = self.workers()
         for kind, name, doc, value in _ENGINE_METRICS:
             metric = kind(f"hybridserve:{name}", doc, labels=self.names)
-            metric.add_metric(self.values, value(s))
+            for w in workers:
+                metric.add_metric([*self.values, w.name], value(w.stats))
             yield metric
+        up = GaugeMetricFamily("hybridserve:worker_up", "1 while the engine worker serves, else 0.", labels=self.names)
+        load = GaugeMetricFamily(
+            "hybridserve:worker_load_tokens",
+            "Tokens of the requests routed to the worker and not finished.",
+            labels=self.names,
+        )
+        decisions = CounterMetricFamily(
+            "hybridserve:router_decisions",
+            "Requests routed to the worker by policy and outcome: hit (matched cached blocks there) or miss.",
+            labels=[*self.names, "policy", "outcome"],
+        )
+        matched = CounterMetricFamily(
+            "hybridserve:router_matched_blocks",
+            "Cached prompt blocks the routed requests matched on the worker.",
+            labels=[*self.names, "policy"],
+        )
+        for w in workers:
+            key = [*self.values, w.name]
+            up.add_metric(key, float(w.state == "up"))
+            load.add_metric(key, w.load_tokens)
+            decisions.add_metric([*key, w.policy, "hit"], w.routed_hits)
+            decisions.add_metric([*key, w.policy, "miss"], w.routed_misses)
+            matched.add_metric([*key, w.policy], w.matched_blocks)
+        yield from (up, load, decisions, matched)
 
 
 class _BatchStatusCollector:

@@ -26,12 +26,12 @@ import zmq
 import zmq.asyncio
 
 from hybridserve.engine.output_processor import ChoiceOutputs
-from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineUnavailable
 from hybridserve.process import ChildEnd, ChildProcesses
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
-from hybridserve.serving.openai.generation import RunAccounting, engine_failure, usage_body
+from hybridserve.serving.openai.generation import RunAccounting, engine_failure, unavailable_error, usage_body
 from hybridserve.serving.openai.responses.events import ResponseFormatter
 from hybridserve.serving.openai.responses.output import EventWriter
 from hybridserve.serving.openai.responses.protocol import failed_response
@@ -81,7 +81,8 @@ class Processed(msgspec.Struct, frozen=True, array_like=True):
     finish_reason: str | None = None  # set once the sequence ended
     abort_engine: bool = False  # a stop string ended it: the engine request still runs
     final: dict[str, Any] | None = None  # the terminal Response object
-    error: str | None = None  # an engine failure, for a non-streamed request's 500
+    error: str | None = None  # an engine failure, for a non-streamed request's error response
+    error_status: int = 500  # 503 when the worker serving it went down
 
 
 class Results(msgspec.Struct, frozen=True, array_like=True, tag=True):
@@ -122,9 +123,11 @@ class _Job:
         }
         usage = usage_body(self.prompt_tokens, update.num_output_tokens, self.cached_tokens)
         if update.finish_reason in ("error", "abort"):
-            error = engine_failure(update.finish_reason, update.error)
+            error = engine_failure(update.finish_reason, update.error, update.unavailable)
             frames, final = self.formatter.fail(error, usage)
-            return Processed(self.request_id, b"".join(frames), **counts, final=final, error=error.message)
+            return Processed(
+                self.request_id, b"".join(frames), **counts, final=final, error=error.message, error_status=error.status
+            )
         frames = self.formatter.feed(update)
         final = None
         if update.finish_reason is not None:
@@ -338,7 +341,8 @@ class PooledResponseRun:
                     ended = True
                     outcome = "error" if msg.error is not None else None
                     if msg.error is not None and not stream:
-                        raise APIError(500, msg.error, type=SERVER_ERROR)
+                        code = "engine_unavailable" if msg.error_status == 503 else None
+                        raise APIError(msg.error_status, msg.error, type=SERVER_ERROR, code=code)
                     self.final = msg.final
                     self.finish(self.final)
                 if msg.frames:
@@ -346,7 +350,11 @@ class PooledResponseRun:
                     yield msg.frames
         except RuntimeError as exc:
             outcome = "error"
-            error = APIError(500, str(exc), type=SERVER_ERROR)
+            error = (
+                unavailable_error(str(exc))
+                if isinstance(exc, EngineUnavailable)
+                else APIError(500, str(exc), type=SERVER_ERROR)
+            )
             if not stream:
                 raise error from None
             event = EventWriter()

@@ -75,7 +75,7 @@ def test_lru_eviction_of_cached_blocks() -> None:
     pool = BlockPool(4)
     a = pool.allocate(4)
     for block, h in zip(a, H, strict=False):
-        pool.cache(block, h)
+        pool.cache(block, h, None)
     pool.release([a[2], a[0], a[3], a[1]])  # freed in this order, all still cached
     assert pool.num_free == 4
     assert [pool.lookup(h) for h in H[:4]] == a
@@ -92,7 +92,7 @@ def test_lru_eviction_of_cached_blocks() -> None:
 def test_cached_block_is_findable_until_reallocated() -> None:
     pool = BlockPool(2)
     (block,) = pool.allocate(1)
-    pool.cache(block, H[0])
+    pool.cache(block, H[0], None)
     assert block.block_hash == H[0]
     assert pool.lookup(H[0]) is block
     pool.release([block])
@@ -111,7 +111,7 @@ def test_cached_block_is_findable_until_reallocated() -> None:
 def test_touch_of_a_free_cached_block_takes_it_out_of_the_free_queue() -> None:
     pool = BlockPool(3)
     a = pool.allocate(3)
-    pool.cache(a[0], H[0])
+    pool.cache(a[0], H[0], None)
     pool.release(a)  # free queue: 0, 1, 2
     hit = pool.lookup(H[0])
     assert hit is a[0]
@@ -155,14 +155,14 @@ def test_releasing_more_than_taken_raises() -> None:
 def test_cache_first_block_under_a_hash_wins() -> None:
     pool = BlockPool(3)
     a, b, c = pool.allocate(3)
-    pool.cache(a, H[0])
-    pool.cache(b, H[0])  # same content computed twice: the first stays the one found
+    pool.cache(a, H[0], None)
+    pool.cache(b, H[0], None)  # same content computed twice: the first stays the one found
     assert pool.lookup(H[0]) is a
     assert b.block_hash is None
-    pool.cache(a, H[1])  # a block keeps the hash it has
+    pool.cache(a, H[1], None)  # a block keeps the hash it has
     assert a.block_hash == H[0]
     assert pool.lookup(H[1]) is None
-    pool.cache(c, H[1])
+    pool.cache(c, H[1], None)
     assert pool.lookup(H[1]) is c
     pool.check_integrity()
 
@@ -170,8 +170,8 @@ def test_cache_first_block_under_a_hash_wins() -> None:
 def test_reset_prefix_cache_only_when_nothing_is_used() -> None:
     pool = BlockPool(3)
     a = pool.allocate(2)
-    pool.cache(a[0], H[0])
-    pool.cache(a[1], H[1])
+    pool.cache(a[0], H[0], None)
+    pool.cache(a[1], H[1], None)
     pool.release(a[:1])
     assert pool.reset_prefix_cache() is False
     assert pool.lookup(H[0]) is a[0] and pool.lookup(H[1]) is a[1]
@@ -210,7 +210,7 @@ def test_integrity_catches_a_negative_ref_count() -> None:
 def test_integrity_catches_a_hash_map_out_of_step() -> None:
     pool = BlockPool(2)
     a = pool.allocate(2)
-    pool.cache(a[0], H[0])
+    pool.cache(a[0], H[0], None)
     pool.check_integrity()
     a[0].block_hash = H[5]  # the map still says H[0]
     with pytest.raises(AssertionError, match="cached under a hash it does not carry"):

@@ -13,6 +13,7 @@ import pytest
 from hybridserve.config import EngineConfig
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.llm import LLM
+from hybridserve.router.deploy import build_engine
 from hybridserve.engine.protocol import AddRequest, EngineCoreRequest, EngineInput, FinishReason
 from hybridserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutput
 
@@ -243,7 +244,7 @@ def test_through_the_worker_process(smollm2_dir):
         last = [out async for out in engine.generate(prompt, _params(PERSON_SPEC), "good")][-1].output
         return last.finish_reason, last.text
 
-    engine = AsyncLLM.from_config(EngineConfig(model=str(smollm2_dir), dtype="float32", device="cpu"))
+    engine = build_engine(EngineConfig(model=str(smollm2_dir), dtype="float32", device="cpu"))
     try:
         finish_reason, text = asyncio.run(main(engine))
     finally:

@@ -21,6 +21,7 @@ from hybridserve.engine.protocol import (
     FinishReason,
     SchedulerStats,
     TokenLogprobs,
+    WorkerStatus,
 )
 from hybridserve.sampling_params import InvalidParameter, SamplingParams
 
@@ -61,6 +62,12 @@ class FakeEngine:
             state_snapshot_usage=0.75,
             state_snapshot_hits=2,
         )
+
+    def workers(self) -> list[WorkerStatus]:
+        return [WorkerStatus("fake", "down" if self.dead else "up", None, self.stats(), "round_robin")]
+
+    def start(self) -> None:
+        return None
 
     async def check_health(self) -> None:
         if self.dead:

@@ -27,7 +27,8 @@ def test_models(client):
 
 
 def test_health_and_version(client, engine):
-    assert (client.get("/health").status_code, client.get("/health").json()) == (200, {"status": "ok"})
+    workers = [{"name": "fake", "state": "up", "error": None}]
+    assert (client.get("/health").status_code, client.get("/health").json()) == (200, {"status": "ok", "workers": workers})
     assert set(client.get("/version").json()) == {"version"}
     engine.dead = True
     r = client.get("/health")
@@ -64,16 +65,20 @@ def test_metrics_after_a_request(client):
     assert sample(text, "hybridserve:time_to_first_token_seconds_count" + label) == 2
     assert sample(text, "hybridserve:inter_token_latency_seconds_count" + label) == 7 + 1
     assert sample(text, "hybridserve:e2e_request_latency_seconds_count" + label) == 2
-    assert sample(text, "hybridserve:num_requests_running" + label) == 0
-    assert sample(text, "hybridserve:num_requests_waiting" + label) == 0
-    assert sample(text, "hybridserve:kv_cache_usage_perc" + label) == 0
-    assert sample(text, "hybridserve:prefix_cache_queries_total" + label) == 100
-    assert sample(text, "hybridserve:prefix_cache_hits_total" + label) == 25
-    assert sample(text, "hybridserve:prefix_cache_hit_rate" + label) == 0.25
-    assert sample(text, "hybridserve:num_preemptions_total" + label) == 0
-    assert sample(text, "hybridserve:num_state_snapshots" + label) == 3
-    assert sample(text, "hybridserve:state_snapshot_usage_perc" + label) == 0.75
-    assert sample(text, "hybridserve:state_snapshot_hits_total" + label) == 2
+    worker = '{model_name="smollm2",worker="fake"}'
+    assert sample(text, "hybridserve:num_requests_running" + worker) == 0
+    assert sample(text, "hybridserve:num_requests_waiting" + worker) == 0
+    assert sample(text, "hybridserve:kv_cache_usage_perc" + worker) == 0
+    assert sample(text, "hybridserve:prefix_cache_queries_total" + worker) == 100
+    assert sample(text, "hybridserve:prefix_cache_hits_total" + worker) == 25
+    assert sample(text, "hybridserve:prefix_cache_hit_rate" + worker) == 0.25
+    assert sample(text, "hybridserve:num_preemptions_total" + worker) == 0
+    assert sample(text, "hybridserve:num_state_snapshots" + worker) == 3
+    assert sample(text, "hybridserve:state_snapshot_usage_perc" + worker) == 0.75
+    assert sample(text, "hybridserve:state_snapshot_hits_total" + worker) == 2
+    assert sample(text, 'hybridserve:worker_up{model_name="smollm2",worker="fake"}') == 1
+    decision = 'hybridserve:router_decisions_total{model_name="smollm2",outcome="miss",policy="round_robin",worker="fake"}'
+    assert sample(text, decision) == 0
 
 
 def test_metrics_count_errors(client, engine):

@@ -487,18 +487,16 @@ def test_20k_lines_validate_in_bounded_memory(tmp_path: Path):
 def test_cli_flags_reach_the_batch_settings(monkeypatch, tokenizer, capsys):
     seen = {}
 
-    class AsyncLLM:
-        @classmethod
-        def from_config(cls, config):
-            return FakeEngine(tokenizer, [PARIS])
+    def build_engine(config, deployment):
+        return FakeEngine(tokenizer, [PARIS])
 
     def fake_build_app(*args, batch_settings):
         seen["settings"] = batch_settings
         raise SystemExit(0)
 
-    module = types.ModuleType("hybridserve.engine.async_llm")
-    module.AsyncLLM = AsyncLLM
-    monkeypatch.setitem(sys.modules, "hybridserve.engine.async_llm", module)
+    module = types.ModuleType("hybridserve.router.deploy")
+    module.build_engine = build_engine
+    monkeypatch.setitem(sys.modules, "hybridserve.router.deploy", module)
     monkeypatch.setattr("hybridserve.serving.app.build_app", fake_build_app)
     flags = ["--max-upload-bytes", "2MiB", "--batch-max-lines", "7", "--max-active-batches", "3"]
     with pytest.raises(SystemExit):

@@ -131,18 +131,16 @@ def test_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tokenizer):
     engine = FakeEngine(tokenizer, [PARIS])
     engine.shutdown = lambda: seen.setdefault("shutdown", True)
 
-    class AsyncLLM:
-        @classmethod
-        def from_config(cls, config):
-            seen["config"] = config
-            return engine
+    def build_engine(config, deployment):
+        seen["config"] = config
+        return engine
 
     def run(server):
         seen["server"] = (server.config.host, server.config.port, server.model_name)
 
-    module = types.ModuleType("hybridserve.engine.async_llm")
-    module.AsyncLLM = AsyncLLM
-    monkeypatch.setitem(sys.modules, "hybridserve.engine.async_llm", module)
+    module = types.ModuleType("hybridserve.router.deploy")
+    module.build_engine = build_engine
+    monkeypatch.setitem(sys.modules, "hybridserve.router.deploy", module)
     monkeypatch.setattr(cli.ReadyServer, "run", run)
     cli.main(["serve", "--port", "9123", "--api-key", "k", "--max-num-seqs", "4"])
     assert seen == {
@@ -190,18 +188,16 @@ def test_serve_hands_the_extension_its_config(monkeypatch, tokenizer):
     engine.shutdown = lambda: None
     seen = {}
 
-    class AsyncLLM:
-        @classmethod
-        def from_config(cls, config):
-            return engine
+    def build_engine(config, deployment):
+        return engine
 
     def build_app(engine, api_key, data_dir, retention, parsers, pool, extension, batch_settings):
         seen["extension"] = extension
         return object()  # never served: ReadyServer.run is stubbed
 
-    module = types.ModuleType("hybridserve.engine.async_llm")
-    module.AsyncLLM = AsyncLLM
-    monkeypatch.setitem(sys.modules, "hybridserve.engine.async_llm", module)
+    module = types.ModuleType("hybridserve.router.deploy")
+    module.build_engine = build_engine
+    monkeypatch.setitem(sys.modules, "hybridserve.router.deploy", module)
     monkeypatch.setattr(app, "build_app", build_app)
     monkeypatch.setattr(cli.ReadyServer, "run", lambda server: None)
     monkeypatch.delenv(POLICY_ENV, raising=False)

@@ -147,18 +147,16 @@ def test_cli_flags_reach_the_store(monkeypatch, tokenizer):
     args = cli.build_parser().parse_args(["serve"])
     assert (args.response_store_max_count, args.response_store_max_age) == (10_000, 30 * 24 * 3600)
 
-    class AsyncLLM:
-        @classmethod
-        def from_config(cls, config):
-            return FakeEngine(tokenizer, [PARIS])
+    def build_engine(config, deployment):
+        return FakeEngine(tokenizer, [PARIS])
 
     def fake_build_app(engine, api_key, data_dir, retention, parsers, postprocess, extension, batch_settings):
         seen["retention"], seen["parsers"] = retention, parsers
         raise SystemExit(0)
 
-    module = types.ModuleType("hybridserve.engine.async_llm")
-    module.AsyncLLM = AsyncLLM
-    monkeypatch.setitem(sys.modules, "hybridserve.engine.async_llm", module)
+    module = types.ModuleType("hybridserve.router.deploy")
+    module.build_engine = build_engine
+    monkeypatch.setitem(sys.modules, "hybridserve.router.deploy", module)
     monkeypatch.setattr("hybridserve.serving.app.build_app", fake_build_app)
     with pytest.raises(SystemExit):
         cli.main(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from hybridserve.engine.cache.events import KVEventLog
 from hybridserve.engine.cache.prefix_hash import BlockHash
 
 
@@ -20,12 +21,14 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventLog | None = None) -> None:
+        """`events`, if given, hears of every block made findable and every cached block evicted."""
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
+        self.events = events
 
     @property
     def num_blocks(self) -> int:
@@ -47,6 +50,8 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -69,12 +74,18 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache(self, block: Block, block_hash: BlockHash) -> None:
-        """Make a full block findable by its hash (a block already cached under that hash wins)."""
+    def cache(self, block: Block, block_hash: BlockHash, parent: BlockHash | None) -> None:
+        """Make a full block findable by its hash (a block already cached under that hash wins); `parent`: the
+        hash of the block before it (None for a first block)."""
         if block.block_hash is not None or block_hash in self._cached:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self._cached)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
@@ -83,6 +94,8 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def check_integrity(self) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridserve.engine.cache.block_pool import Block, BlockPool
+from hybridserve.engine.cache.events import CachedSet, KVEventLog
 from hybridserve.engine.cache.prefix_hash import ROOT_HASH, BlockHash, hash_block
 from hybridserve.engine.cache.state_pool import StatePool
 from hybridserve.engine.cache.state_snapshots import StateSnapshots
@@ -45,16 +46,19 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         num_state_slots: int = 0,
         num_state_snapshots: int = 0,
+        events: KVEventLog | None = None,
     ) -> None:
         """`num_state_slots` > 0 for models with linear-attention layers; `num_state_snapshots` > 0 lets their
-        prefix hits resume from snapshots (without, they get none)."""
+        prefix hits resume from snapshots (without, they get none). `events` hears of what the prefix cache
+        gains and loses (for a router's index)."""
         if num_state_snapshots and not num_state_slots:
             raise ValueError("state snapshots need a state pool: num_state_slots must be positive")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, events)
         self.states = StatePool(num_state_slots) if num_state_slots else None
-        self.snapshots = StateSnapshots(num_state_snapshots) if num_state_snapshots and enable_prefix_caching else None
+        with_snapshots = num_state_snapshots and enable_prefix_caching
+        self.snapshots = StateSnapshots(num_state_snapshots, events) if with_snapshots else None
         self.ops = StateOps()  # of the step being planned; the scheduler takes them into the plan
         self.req_blocks: dict[str, list[Block]] = {}
         self._req_hashes: dict[str, list[BlockHash]] = {}
@@ -186,8 +190,8 @@ class KVCacheManager:
             # Blocks whose tokens are all known once this step runs become findable now; the model
             # writes every layer's KV before any sequence reads it, so a same-step hit is safe.
             hashes = self._hashes(request, min(num_tokens, request.num_tokens))
-            for block, block_hash in zip(blocks, hashes, strict=False):
-                self.pool.cache(block, block_hash)
+            for i, (block, block_hash) in enumerate(zip(blocks, hashes, strict=False)):
+                self.pool.cache(block, block_hash, hashes[i - 1] if i else None)
         return True
 
     def _snapshot_of(self, block: Block) -> int:
@@ -204,6 +208,11 @@ class KVCacheManager:
         self._rolling.pop(request.request_id, None)
         if self.states is not None:
             self.states.free(request.request_id)
+
+    def cached_set(self, seq: int) -> CachedSet:
+        """Everything findable now (`seq`: the number of the last event batch published before it)."""
+        snapshots = self.snapshots.findable() if self.snapshots is not None else []
+        return CachedSet(seq, self.pool.cached_hashes(), snapshots)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

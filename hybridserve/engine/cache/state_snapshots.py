@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from hybridserve.engine.cache.events import KVEventLog
 from hybridserve.engine.cache.prefix_hash import BlockHash
 
 
 class StateSnapshots:
-    def __init__(self, num_snapshots: int) -> None:
+    def __init__(self, num_snapshots: int, events: KVEventLog | None = None) -> None:
+        """`events`, if given, hears of every snapshot made findable and every findable one evicted."""
         if num_snapshots < 1:
             raise ValueError(f"a snapshot pool needs at least one snapshot, got {num_snapshots}")
         self.num_snapshots = num_snapshots
@@ -26,6 +28,7 @@ class StateSnapshots:
         self._index: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
         self._pending: set[BlockHash] = set()  # reserved for the step being planned, not yet written
         self.num_restored = 0
+        self.events = events
 
     def __len__(self) -> int:
         return len(self._index)
@@ -42,19 +45,33 @@ class StateSnapshots:
             return None
         if replace is not None and replace in self._index:
             index = self._index.pop(replace)
-            self._pending.discard(replace)
+            self._forget(replace)
         elif self._free:
             index = self._free.pop()
         else:
             evicted, index = self._index.popitem(last=False)
-            self._pending.discard(evicted)
+            self._forget(evicted)
         self._index[block_hash] = index
         self._pending.add(block_hash)
         return index
 
+    def _forget(self, block_hash: BlockHash) -> None:
+        """A snapshot gave up its place: one not yet written was never findable, so only others are news."""
+        if block_hash in self._pending:
+            self._pending.discard(block_hash)
+        elif self.events is not None:
+            self.events.snapshot_removed(block_hash)
+
     def commit(self) -> None:
         """The planned step ran: its saved snapshots hold their states and are findable."""
+        if self.events is not None and self._pending:
+            for block_hash in self._index:  # in LRU order, so the announcement order is deterministic
+                if block_hash in self._pending:
+                    self.events.snapshot_stored(block_hash)
         self._pending.clear()
+
+    def findable(self) -> list[BlockHash]:
+        return [h for h in self._index if h not in self._pending]
 
     def abandon(self) -> None:
         """The planned step failed: its reserved snapshots were never written and are given back."""

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 
 from hybridserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from hybridserve.engine.protocol import EngineUnavailable
 from hybridserve.sampling_params import InvalidParameter, SamplingParams
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.metrics import ServingMetrics
@@ -205,11 +206,14 @@ class GenerationRun:
                 acct.observe(k, index, len(out.delta_token_ids), out.num_output_tokens, ro.num_cached_tokens, reason)
                 self.token_ids[index].extend(out.delta_token_ids)
                 if out.finish_reason in ("error", "abort"):
-                    raise engine_failure(out.finish_reason, out.error)
+                    raise engine_failure(out.finish_reason, out.error, out.unavailable)
                 yield index, out, ro.finished
         except APIError:
             outcome = "error"
             raise
+        except EngineUnavailable as exc:
+            outcome = "error"
+            raise unavailable_error(str(exc)) from None
         except ValueError as exc:  # the engine rejected the input before doing any work
             outcome = None
             raise APIError(400, str(exc), param=getattr(exc, "param", None)) from None
@@ -224,11 +228,18 @@ class GenerationRun:
             acct.close(outcome)
 
 
-def engine_failure(finish_reason: str, error: str | None) -> APIError:
-    """The error a client sees for an engine output that ended with "error" or "abort"."""
+def engine_failure(finish_reason: str, error: str | None, unavailable: bool = False) -> APIError:
+    """The error a client sees for an engine output that ended with "error" or "abort"; 503 when the worker
+    serving it went down (another may serve a retry)."""
+    if unavailable:
+        return unavailable_error(error or "The engine worker serving the request went down.")
     if finish_reason == "error":
         return APIError(500, error or "The engine failed to serve the request.", type=SERVER_ERROR)
     return APIError(500, "The engine aborted the request before it finished.", type=SERVER_ERROR)
+
+
+def unavailable_error(message: str) -> APIError:
+    return APIError(503, message, type=SERVER_ERROR, code="engine_unavailable")
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

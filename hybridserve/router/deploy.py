@@ -1,0 +1,50 @@
+"""The engine a frontend serves with: its local workers and remote ones behind a router, under one AsyncLLM.
+
+`hybridserve serve MODEL` is one local worker; `--num-workers N` starts N; `--worker URL` adds remote
+workers. It is always the same router and the same path, only the worker list differs.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hybridserve.config import DeploymentConfig, EngineConfig
+from hybridserve.engine.async_llm import AsyncLLM, eos_token_ids
+from hybridserve.engine.identity import tokenizer_fingerprint, weights_fingerprint
+from hybridserve.models.loader import resolve_model
+from hybridserve.router.link import WorkerLink
+from hybridserve.router.local import LocalWorkers
+from hybridserve.router.policy import Routing
+from hybridserve.router.router import ExpectedModel, Router, RouterSettings
+from hybridserve.tokenizer import load_tokenizer
+
+STARTUP_TIMEOUT_S = 600.0  # loading a model; remote workers: until the first one answers
+WORKER_API_KEY_ENV = "HYBRIDSERVE_WORKER_API_KEY"
+
+
+def build_engine(config: EngineConfig, deployment: DeploymentConfig | None = None) -> AsyncLLM:
+    """Starts the local workers, waits until they (and at least one worker in all) answer, and returns the
+    frontend's engine. Raises EngineUnavailable when none can serve, after stopping what it started."""
+    deployment = deployment or DeploymentConfig()
+    resolved = resolve_model(config.model)
+    tokenizer = load_tokenizer(resolved.hf_dir)
+    hf_dir = resolved.hf_dir
+    expected = ExpectedModel(resolved.name, weights_fingerprint(hf_dir), tokenizer_fingerprint(hf_dir))
+    settings = RouterSettings(
+        Routing(deployment.routing_policy),
+        deployment.routing_temperature,
+        deployment.worker_timeout,
+        deployment.worker_api_key or os.environ.get(WORKER_API_KEY_ENV, ""),
+        config.seed,
+    )
+    count = deployment.local_workers
+    local = LocalWorkers(config, hf_dir, resolved.name, count) if count else None
+    links = [*(local.links if local else []), *(WorkerLink(url, url) for url in deployment.workers or ())]
+    router = Router(links, expected, settings, local.start if local else None, local.shutdown if local else None)
+    try:
+        router.wait_for_workers(STARTUP_TIMEOUT_S, require_all=not deployment.workers)
+    except BaseException:
+        router.shutdown()
+        raise
+    name = config.served_model_name or resolved.name
+    return AsyncLLM(router, tokenizer, name, eos_token_ids(resolved.hf_dir, tokenizer), resolved.hf_dir)

@@ -1,0 +1,128 @@
+"""One worker as the router sees it: its address, its state, the session with it, and the requests it holds.
+
+A session is a ZeroMQ DEALER socket (a fresh one, with a fresh session id, on every connect) opened with
+`Hello` and answered with the worker's identity. The link's state moves
+connecting → up → down → connecting … (or → refused, when the worker is the wrong one or refuses us); the
+router owns the transitions. A local worker (spawned by this frontend) also has its process, which is
+restarted when it dies.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from urllib.parse import urlsplit, urlunsplit
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from hybridserve.engine.cache.events import KVEventBatch
+from hybridserve.engine.protocol import (
+    EngineInput,
+    Hello,
+    Refused,
+    SchedulerStats,
+    Welcome,
+    WorkerIdentity,
+    WorkerOutput,
+)
+
+
+class WorkerState(enum.StrEnum):
+    CONNECTING = "connecting"
+    UP = "up"
+    DOWN = "down"  # it died, hung or dropped the session; retried with backoff
+    REFUSED = "refused"  # it is not the worker this deployment needs, or it refused us; retried with backoff
+
+
+class HandshakeRefused(RuntimeError):
+    pass
+
+
+@dataclass
+class WorkerLink:
+    name: str
+    address: str
+    process: BaseProcess | None = None  # a local worker's process
+    state: WorkerState = WorkerState.CONNECTING
+    error: str | None = None  # why it is down or refused
+    identity: WorkerIdentity | None = None
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+    requests: dict[str, int] = field(default_factory=dict)  # request id → tokens it holds (its load)
+    last_heard: float = 0.0
+    failures: int = 0  # consecutive failed connects or losses, for the backoff
+    retry_at: float = 0.0
+    routed_hits: int = 0  # requests routed here that matched at least one cached block
+    routed_misses: int = 0
+    matched_blocks: int = 0
+    sock: zmq.asyncio.Socket | None = None
+    events: zmq.asyncio.Socket | None = None
+
+    @property
+    def load_tokens(self) -> int:
+        return sum(self.requests.values())
+
+    def send(self, msg: EngineInput) -> None:
+        if self.sock is not None:
+            self.sock.send(_encode(msg), flags=zmq.NOBLOCK)
+
+    async def connect(self, ctx: zmq.asyncio.Context, frontend: str, secret: str, timeout_s: float) -> Welcome:
+        """Opens a new session; raises HandshakeRefused when the worker says no, TimeoutError when it is silent."""
+        self.close()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # a send never fails for a full queue: the worker drains it
+        sock.connect(self.address)
+        self.sock = sock
+        sock.send(_encode(Hello(frontend, uuid.uuid4().hex, secret)))
+        if not await sock.poll(int(timeout_s * 1000)):
+            self.close()
+            raise TimeoutError(f"no answer within {timeout_s:g}s")
+        reply = _decode(await sock.recv())
+        if isinstance(reply, Refused):
+            self.close()
+            raise HandshakeRefused(reply.error)
+        if not isinstance(reply, Welcome):
+            self.close()
+            raise HandshakeRefused(f"expected Welcome, got {type(reply).__name__}")
+        self.last_heard = time.monotonic()
+        return reply
+
+    def subscribe(self, ctx: zmq.asyncio.Context, events_address: str) -> None:
+        events = ctx.socket(zmq.SUB)
+        events.setsockopt(zmq.LINGER, 0)
+        events.setsockopt(zmq.SUBSCRIBE, b"")
+        events.connect(_events_address(self.address, events_address))
+        self.events = events
+
+    async def recv(self) -> WorkerOutput:
+        assert self.sock is not None
+        return _decode(await self.sock.recv())
+
+    async def recv_events(self) -> KVEventBatch:
+        assert self.events is not None
+        return _decode_events(await self.events.recv())
+
+    def close(self) -> None:
+        for sock in (self.sock, self.events):
+            if sock is not None:
+                sock.close(linger=0)
+        self.sock = self.events = None
+
+
+def _events_address(worker_address: str, announced: str) -> str:
+    """For tcp, the announced port on the host this frontend reached the worker at (it may have bound 0.0.0.0)."""
+    worker, events = urlsplit(worker_address), urlsplit(announced)
+    if worker.scheme != "tcp" or worker.hostname is None:
+        return announced
+    host = f"[{worker.hostname}]" if ":" in worker.hostname else worker.hostname
+    return urlunsplit(("tcp", f"{host}:{events.port}", "", "", ""))
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(WorkerOutput).decode
+_decode_events = msgspec.msgpack.Decoder(KVEventBatch).decode
