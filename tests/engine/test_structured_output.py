@@ -13,8 +13,8 @@ import pytest
 from hybridserve.config import EngineConfig
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.llm import LLM
-from hybridserve.router.deploy import build_engine
 from hybridserve.engine.protocol import AddRequest, EngineCoreRequest, EngineInput, FinishReason
+from hybridserve.router.deploy import build_engine
 from hybridserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutput
 
 PERSON = {

@@ -28,7 +28,10 @@ def test_models(client):
 
 def test_health_and_version(client, engine):
     workers = [{"name": "fake", "state": "up", "error": None}]
-    assert (client.get("/health").status_code, client.get("/health").json()) == (200, {"status": "ok", "workers": workers})
+    assert (client.get("/health").status_code, client.get("/health").json()) == (
+        200,
+        {"status": "ok", "workers": workers},
+    )
     assert set(client.get("/version").json()) == {"version"}
     engine.dead = True
     r = client.get("/health")
@@ -77,7 +80,8 @@ def test_metrics_after_a_request(client):
     assert sample(text, "hybridserve:state_snapshot_usage_perc" + worker) == 0.75
     assert sample(text, "hybridserve:state_snapshot_hits_total" + worker) == 2
     assert sample(text, 'hybridserve:worker_up{model_name="smollm2",worker="fake"}') == 1
-    decision = 'hybridserve:router_decisions_total{model_name="smollm2",outcome="miss",policy="round_robin",worker="fake"}'
+    labels = 'model_name="smollm2",outcome="miss",policy="round_robin",worker="fake"'
+    decision = "hybridserve:router_decisions_total{" + labels + "}"
     assert sample(text, decision) == 0
 
 
