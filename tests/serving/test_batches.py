@@ -472,10 +472,10 @@ def test_20k_lines_validate_in_bounded_memory(tmp_path: Path):
     size = path.stat().st_size
     small = tmp_path / "small.jsonl"
     small.write_bytes(jsonl([line("warm-up")]))
-    validate_input(small, "/v1/chat/completions", ChatCompletionRequest, 10, threading.Event())  # one-time caches
+    validate_input(small, {"/v1/chat/completions": ChatCompletionRequest}, 10, threading.Event())  # one-time caches
     tracemalloc.start()
     try:
-        result = validate_input(path, "/v1/chat/completions", ChatCompletionRequest, 1_000_000, threading.Event())
+        result = validate_input(path, {"/v1/chat/completions": ChatCompletionRequest}, 1_000_000, threading.Event())
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
