@@ -1,4 +1,5 @@
-"""`hybridserve serve [MODEL]`: one HTTP frontend plus one local engine process."""
+"""The `hybridserve` command: `serve [MODEL]` (one HTTP frontend plus one local engine process) and
+`run-batch` (a batch file through the same endpoints, offline: serving/run_batch.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import uvicorn
 
 from hybridserve.config import EngineConfig, parse_bytes
+from hybridserve.serving import run_batch
 from hybridserve.serving.flags import (
     add_log_level_flag,
     add_model_flags,
@@ -75,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model_flags(serve)
     add_log_level_flag(serve)
+    run_batch.add_parser(commands)
     return parser
 
 
@@ -191,6 +194,8 @@ def main(argv: list[str] | None = None) -> int | None:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "run-batch":
+        return run_batch.main(args)
     try:
         serve(args, parser)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown

@@ -91,7 +91,7 @@ def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
-        help="logging level for hybridserve and uvicorn",
+        help="logging level for hybridserve (and for uvicorn, under serve)",
     )
 
 
