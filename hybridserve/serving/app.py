@@ -17,11 +17,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions import ServingExtension, extension_for
 from hybridserve.serving.metrics import ServingMetrics
-from hybridserve.serving.openai.batches.protocol import BatchEndpoint
 from hybridserve.serving.openai.batches.routes import add_files_and_batches
 from hybridserve.serving.openai.batches.runner import BatchSettings
-from hybridserve.serving.openai.chat import ChatService
-from hybridserve.serving.openai.completions import CompletionService
+from hybridserve.serving.openai.endpoints import GenerationServices
 from hybridserve.serving.openai.errors import (
     SERVER_ERROR,
     APIError,
@@ -33,7 +31,6 @@ from hybridserve.serving.openai.models import ModelsService
 from hybridserve.serving.openai.prompt import template_supports_tools
 from hybridserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hybridserve.serving.openai.responses.protocol import ResponsesRequest
-from hybridserve.serving.openai.responses.service import ResponsesService
 from hybridserve.serving.openai.responses.store import ResponseStore, Retention
 from hybridserve.serving.parsers import Parsers
 from hybridserve.serving.postprocess import PostprocessPool
@@ -73,9 +70,8 @@ def build_app(
         extension = extension_for(engine.model_type)
     if parsers is None:
         parsers = default_parsers(engine.tokenizer, extension)
-    chat = ChatService(engine, metrics, parsers, extension)
-    responses = ResponsesService(engine, metrics, store, parsers, extension, postprocess)
-    completions = CompletionService(engine, metrics)
+    services = GenerationServices.build(engine, metrics, store, parsers, extension, postprocess)
+    chat, completions, responses = services.chat, services.completions, services.responses
     models = ModelsService(engine)
 
     @contextlib.asynccontextmanager
@@ -153,13 +149,8 @@ def build_app(
     async def list_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None):
         return json_response(responses.input_items(response_id, limit, order, after))
 
-    batch_endpoints = {
-        "/v1/chat/completions": BatchEndpoint(ChatCompletionRequest, chat.create),
-        "/v1/completions": BatchEndpoint(CompletionRequest, completions.create),
-        "/v1/responses": BatchEndpoint(ResponsesRequest, responses.create),
-    }
     files_and_batches = add_files_and_batches(
-        app, db, data_dir, batch_endpoints, metrics, batch_settings or BatchSettings()
+        app, db, data_dir, services.batch_endpoints(), metrics, batch_settings or BatchSettings()
     )
     return app
 

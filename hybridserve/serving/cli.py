@@ -1,82 +1,35 @@
-"""The command line: `hybridserve serve [MODEL]` (the HTTP frontend over its engine workers, local ones by
-default) and `hybridserve worker [MODEL]` (a standalone engine worker for a frontend on another host)."""
+"""The `hybridserve` command: `serve [MODEL]` (the HTTP frontend over its engine workers, one local worker by
+default), `worker [MODEL]` (a standalone engine worker for frontends on other hosts) and `run-batch` (a batch
+file through the same endpoints, offline: serving/run_batch.py)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
-import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import uvicorn
 import yaml
 
-from hybridserve.config import DeploymentConfig, EngineConfig, ExtensionConfig, parse_bytes
+from hybridserve.config import DeploymentConfig, EngineConfig, parse_bytes
 from hybridserve.sampling_params import InvalidParameter
+from hybridserve.serving import run_batch
+from hybridserve.serving.flags import (
+    add_config_flags,
+    add_log_level_flag,
+    add_model_flags,
+    config_from,
+    flag_type,
+    model_configs,
+)
 from hybridserve.serving.openai.batches.runner import BatchSettings
 from hybridserve.serving.openai.responses.store import Retention
-from hybridserve.serving.parsers.reasoning import REASONING_PARSERS
-from hybridserve.serving.parsers.tools import TOOL_PARSERS
 
 logger = logging.getLogger("hybridserve.serve")
-C = TypeVar("C")
-
-
-def add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
-    """One argument per field of the dataclass `config`: `--field-name` (the bare name if its metadata says
-    positional), the field's default and help, and the options its metadata holds; a bool is --x / --no-x."""
-    hints = typing.get_type_hints(config)
-    for f in dataclasses.fields(config):
-        options = dict(f.metadata)
-        positional = options.pop("positional", False)
-        flag = options.pop("flag", "--" + f.name.replace("_", "-"))
-        kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
-        default = f.default
-        if typing.get_origin(kind) is list:  # a repeatable flag
-            options["action"] = "append"
-            (kind,) = typing.get_args(kind)
-        if kind is bool:
-            options["action"] = argparse.BooleanOptionalAction
-            if "env" in options:
-                default = _bool_from_env(parser, options.pop("env"), default)
-        elif "type" in options:
-            options["type"] = _flag_type(options["type"])
-        elif kind is not str:
-            options["type"] = kind
-        if positional:
-            parser.add_argument(f.name, nargs="?", default=default, **options)
-        else:
-            parser.add_argument(flag, dest=f.name, default=default, **options)
-
-
-def _bool_from_env(parser: argparse.ArgumentParser, variable: str, default: bool) -> bool:
-    """$variable as a flag's default: 1 or 0; unset or empty keeps `default`; anything else is a usage error."""
-    value = os.environ.get(variable, "")
-    if value not in ("", "0", "1"):
-        parser.error(f"${variable} must be 1 or 0, got {value!r}")
-    return default if value == "" else value == "1"
-
-
-def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """`parse` as an argparse type: the ValueError it raises becomes the usage error's message."""
-
-    def convert(text: str) -> Any:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return convert
-
-
-def config_from(config: type[C], args: argparse.Namespace) -> C:
-    """The dataclass `config` built from the arguments add_config_flags made for it."""
-    return config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config)})
 
 
 def default_data_dir() -> Path:
@@ -130,19 +83,6 @@ def build_parser(serve_defaults: dict[str, Any] | None = None) -> argparse.Argum
     )
     add_batch_flags(serve)
     serve.add_argument(
-        "--reasoning-parser",
-        default="auto",
-        choices=["auto", "none", *REASONING_PARSERS],
-        help="how reasoning is read out of the output (auto: from the chat template; none: all of it is text)",
-    )
-    serve.add_argument(
-        "--tool-parser",
-        default="auto",
-        choices=["auto", "none", *TOOL_PARSERS],
-        help="how tool calls are read out of the output (auto: from the chat template, hermes for templates "
-        "without tools, which get tools in the Hermes form; none: calls stay text)",
-    )
-    serve.add_argument(
         "--num-postprocess-workers",
         type=int,
         default=0,
@@ -150,11 +90,16 @@ def build_parser(serve_defaults: dict[str, Any] | None = None) -> argparse.Argum
         help="processes that detokenize, parse and build events for the Responses API off the HTTP event loop "
         "(0: on the event loop; background responses always run there)",
     )
-    add_config_flags(serve, EngineConfig)
+    add_model_flags(serve)
     add_config_flags(serve, DeploymentConfig)
-    add_config_flags(serve, ExtensionConfig)
-    add_log_level(serve)
+    add_log_level_flag(serve)
     serve.set_defaults(**(serve_defaults or {}))
+    add_worker_parser(commands)
+    run_batch.add_parser(commands)
+    return parser
+
+
+def add_worker_parser(commands: argparse._SubParsersAction) -> None:
     worker = commands.add_parser(
         "worker",
         help="run one engine worker for frontends on other hosts",
@@ -171,17 +116,7 @@ def build_parser(serve_defaults: dict[str, Any] | None = None) -> argparse.Argum
         help="shared secret frontends must send (their --worker-api-key); $HYBRIDSERVE_WORKER_API_KEY also sets it",
     )
     add_config_flags(worker, EngineConfig)
-    add_log_level(worker)
-    return parser
-
-
-def add_log_level(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="logging level for hybridserve and uvicorn",
-    )
+    add_log_level_flag(worker)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
@@ -209,7 +144,7 @@ def add_batch_flags(serve: argparse.ArgumentParser) -> None:
     defaults = BatchSettings()
     serve.add_argument(
         "--max-upload-bytes",
-        type=_flag_type(parse_bytes),
+        type=flag_type(parse_bytes),
         default=defaults.max_upload_bytes,
         help="largest file /v1/files accepts (bytes, or with a unit such as 512MiB); larger uploads get a 413",
     )
@@ -289,10 +224,9 @@ class ReadyServer(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    config, extension_config = model_configs(args, parser)
     try:
-        config = engine_config(args)
         deployment = config_from(DeploymentConfig, args)
-        extension_config = config_from(ExtensionConfig, args)
     except InvalidParameter as exc:
         parser.error(f"--{exc.param.replace('_', '-')}: {exc}")
     if args.num_postprocess_workers < 0:
@@ -338,6 +272,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int | None:
     args, parser = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "run-batch":
+        return run_batch.main(args)
     if args.command == "worker":
         worker_command(args, parser)
         return None

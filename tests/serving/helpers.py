@@ -30,6 +30,17 @@ def sse_payloads(text: str) -> list:
     return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in events]
 
 
+def without_ids(body: dict) -> dict:
+    """The body with what differs between two identical requests (ids, timestamps) taken out."""
+    text = json.dumps(body)
+    for key in ("id", "created", "created_at", "completed_at"):
+        text = text.replace(json.dumps(body.get(key)), "null") if key in body else text
+    body = json.loads(text)
+    for item in body.get("output", []):
+        item.pop("id", None)
+    return body
+
+
 def error_body(message: str, type: str = "invalid_request_error", param=None, code=None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 

@@ -23,7 +23,7 @@ from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.storage import DATABASE_FILE, Database
 
 from .fake_engine import FakeEngine
-from .helpers import PARIS, QUESTION, error_body
+from .helpers import PARIS, QUESTION, error_body, without_ids
 
 TEXT = "The capital of France is Paris."
 BODIES = {
@@ -82,17 +82,6 @@ def lines_of(client, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
     return [json.loads(x) for x in client.get(f"/v1/files/{file_id}/content").text.splitlines()]
-
-
-def without_ids(body: dict) -> dict:
-    """The body with what differs between two identical requests (ids, timestamps) taken out."""
-    text = json.dumps(body)
-    for key in ("id", "created", "created_at", "completed_at"):
-        text = text.replace(json.dumps(body.get(key)), "null") if key in body else text
-    body = json.loads(text)
-    for item in body.get("output", []):
-        item.pop("id", None)
-    return body
 
 
 @pytest.fixture
@@ -472,10 +461,10 @@ def test_20k_lines_validate_in_bounded_memory(tmp_path: Path):
     size = path.stat().st_size
     small = tmp_path / "small.jsonl"
     small.write_bytes(jsonl([line("warm-up")]))
-    validate_input(small, "/v1/chat/completions", ChatCompletionRequest, 10, threading.Event())  # one-time caches
+    validate_input(small, {"/v1/chat/completions": ChatCompletionRequest}, 10, threading.Event())  # one-time caches
     tracemalloc.start()
     try:
-        result = validate_input(path, "/v1/chat/completions", ChatCompletionRequest, 1_000_000, threading.Event())
+        result = validate_input(path, {"/v1/chat/completions": ChatCompletionRequest}, 1_000_000, threading.Event())
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -1,7 +1,7 @@
 """The batch runner: one task per unfinished batch, from validation to its terminal status.
 
 validating → (input checked in a thread) → in_progress or failed → finalizing → completed. Each request runs
-through its endpoint's service (`BatchEndpoint.create`, the code behind the HTTP route), at most
+through its endpoint's service (`execute.call_endpoint`: the code behind the HTTP route), at most
 `max_requests_in_flight` at a time per batch; its answer is appended to the output file (2xx) or the error
 file and committed at once (`BatchStore.record`), so a failing request is one error line and the batch goes
 on. Every batch not in a terminal state has a task here: at start-up `resume()` picks up what a stopped or
@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 import msgspec
-from pydantic import ValidationError
-from starlette.requests import Request
 
 from hybridserve.serving.metrics import ServingMetrics
+from hybridserve.serving.openai.batches.execute import Progress, call_endpoint, run_bounded
 from hybridserve.serving.openai.batches.protocol import (
     BatchEndpoint,
     InputLine,
@@ -39,13 +38,10 @@ from hybridserve.serving.openai.batches.protocol import (
 )
 from hybridserve.serving.openai.batches.store import Batch, BatchStore
 from hybridserve.serving.openai.batches.validate import read_lines, validate_input
-from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, validation_error
 from hybridserve.serving.openai.files.store import FileStore
 
 logger = logging.getLogger(__name__)
 EXPIRED = "This request could not be executed before the completion window expired."
-# The scheduler serves lower values first: online traffic is 0 (generation.ONLINE_PRIORITY).
-BATCH_PRIORITY = 1
 
 
 @dataclass(frozen=True)
@@ -77,11 +73,7 @@ class _Job:
         self.stop: str | None = None  # "cancel" or "expire" once asked to end; None when the server stops
         self.halt = threading.Event()  # tells a validation thread to give up
         self.task: asyncio.Task[None] | None = None
-        self.started = time.monotonic()
-        self.done_at_start = batch.done
-        self.done = batch.done
-        self.completed = batch.completed
-        self.failed = batch.failed
+        self.progress = Progress(batch.completed, batch.failed)
 
 
 class BatchRunner:
@@ -146,7 +138,10 @@ class BatchRunner:
             except asyncio.CancelledError:
                 if job.stop is None:
                     logger.info(
-                        "batch %s: stopped with the server, %d/%d requests done", batch_id, job.done, job.batch.total
+                        "batch %s: stopped with the server, %d/%d requests done",
+                        batch_id,
+                        job.progress.done,
+                        job.batch.total,
                     )
                     raise
             if job.stop == "cancel":
@@ -173,7 +168,7 @@ class BatchRunner:
         endpoint = self.endpoints[batch.endpoint]
         if batch.status == "validating":
             path = self.files.path(batch.input_file_id)
-            args = (path, batch.endpoint, endpoint.model, self.settings.max_lines, job.halt)
+            args = (path, {batch.endpoint: endpoint.model}, self.settings.max_lines, job.halt)
             validation = await asyncio.to_thread(validate_input, *args)
             if validation.num_errors:
                 logger.info("batch %s: input invalid (%d lines)", batch.id, validation.num_errors)
@@ -190,10 +185,8 @@ class BatchRunner:
         if batch.status != "finalizing":
             self.store.update(batch.id, "finalizing", finalizing_at=self.now())
         self._end(batch.id, "completed")
-        elapsed = time.monotonic() - job.started
-        logger.info(
-            "batch %s: completed, %d requests (%d failed) in %.1f s", batch.id, batch.total, job.failed, elapsed
-        )
+        elapsed, failed = time.monotonic() - job.progress.started, job.progress.failed
+        logger.info("batch %s: completed, %d requests (%d failed) in %.1f s", batch.id, batch.total, failed, elapsed)
 
     def _get(self, batch_id: str) -> Batch:
         batch = self.store.get(batch_id)
@@ -203,25 +196,9 @@ class BatchRunner:
 
     async def _execute(self, job: _Job, endpoint: BatchEndpoint) -> None:
         """Runs the input lines without a committed result, at most max_requests_in_flight at a time."""
-        batch = job.batch
-        limit = self.settings.max_requests_in_flight
-        in_flight: set[asyncio.Task[None]] = set()
-        with _ResultFiles(self.store, self.files, batch) as results:
-            try:
-                for number, raw in self._pending(batch):
-                    while len(in_flight) >= limit:
-                        finished, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-                        _raise_failures(finished)
-                    task = asyncio.create_task(self._request(job, endpoint, results, number, raw))
-                    in_flight.add(task)
-                if in_flight:
-                    finished, in_flight = await asyncio.wait(in_flight)
-                    _raise_failures(finished)
-            finally:
-                for task in in_flight:
-                    task.cancel()
-                if in_flight:
-                    await asyncio.wait(in_flight)
+        with _ResultFiles(self.store, self.files, job.batch) as results:
+            requests = (self._request(job, endpoint, results, n, raw) for n, raw in self._pending(job.batch))
+            await run_bounded(requests, self.settings.max_requests_in_flight)
 
     def _pending(self, batch: Batch) -> Iterator[tuple[int, bytes]]:
         """The input lines whose result is not committed yet, in order."""
@@ -238,28 +215,12 @@ class BatchRunner:
         self, job: _Job, endpoint: BatchEndpoint, results: _ResultFiles, number: int, raw: bytes
     ) -> None:
         line = InputLine.model_validate_json(raw)
-        try:
-            req = endpoint.model.model_validate(line.body)
-            response = await endpoint.create(req, _detached_request(line.url))
-            status, body = response.status_code, bytes(response.body)
-        except APIError as exc:
-            status, body = exc.status, msgspec.json.encode(exc.body())
-        except ValidationError as exc:
-            error = validation_error(list(exc.errors()))
-            status, body = error.status, msgspec.json.encode(error.body())
-        except Exception as exc:  # what the HTTP route would answer 500 for
-            logger.exception("batch %s: request %r failed", job.batch.id, line.custom_id)
-            error = APIError(500, f"Internal server error: {exc}", type=SERVER_ERROR)
-            status, body = error.status, msgspec.json.encode(error.body())
+        status, body = await call_endpoint(endpoint, line, f"batch {job.batch.id}")
         ok = status < 400
         if not ok:
             logger.info("batch %s: request %r answered %d: %s", job.batch.id, line.custom_id, status, body[:300])
         results.write(number, ok, result_line(line.custom_id, status, body))
-        job.done += 1
-        if ok:
-            job.completed += 1
-        else:
-            job.failed += 1
+        job.progress.count(ok)
         self.metrics.batch_requests["completed" if ok else "failed"].inc()
 
     async def _expire(self, job: _Job) -> None:
@@ -310,32 +271,7 @@ class BatchRunner:
                     )
                     self._stop(job, "expire")
                 elif job.batch.status == "in_progress" and job.stop is None:
-                    logger.info("batch %s: %s", job.batch.id, _progress(job))
-
-
-def _progress(job: _Job) -> str:
-    total = job.batch.total
-    elapsed = time.monotonic() - job.started
-    rate = (job.done - job.done_at_start) / elapsed if elapsed > 0 else 0.0
-    eta = f"{(total - job.done) / rate:.0f} s" if rate > 0 else "unknown"
-    return f"{job.done}/{total} requests done ({job.completed} completed, {job.failed} failed), {rate:.2f}/s, ETA {eta}"
-
-
-def _raise_failures(finished: set[asyncio.Task[None]]) -> None:
-    for task in finished:
-        if not task.cancelled() and task.exception() is not None:
-            raise task.exception()
-
-
-async def _never() -> dict:
-    return await asyncio.get_running_loop().create_future()
-
-
-def _detached_request(path: str) -> Request:
-    """The `request` a service watches for a disconnect: a batch request has no client to lose. Its scope
-    says it is batch work, which the scheduler admits after online requests and preempts first."""
-    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
-    return Request({**scope, "state": {"priority": BATCH_PRIORITY}}, _never)
+                    logger.info("batch %s: %s", job.batch.id, job.progress.line(job.batch.total))
 
 
 class _ResultFiles:

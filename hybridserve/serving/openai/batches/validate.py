@@ -1,16 +1,17 @@
 """Validation of a batch input file, read as a stream: memory stays bounded whatever the number of lines.
 
-Each line must be JSON with `custom_id`, `method` POST, `url` equal to the batch's endpoint and a `body` the
-endpoint's request model accepts (not streamed, not background). custom_ids must be unique: they are kept in
-a private temporary SQLite database (on disk past a small cache), not in a set. The first
-MAX_REPORTED_ERRORS invalid lines are reported, each with its 1-based line number and why.
+Each line must be JSON with `custom_id`, `method` POST, a `url` among the batch's endpoints (the online API:
+its one endpoint; `hybridserve run-batch`: every batchable one) and a `body` that endpoint's request model
+accepts (not streamed, not background). custom_ids must be unique: they are kept in CustomIds, a private
+temporary SQLite database (on disk past a small cache), not in a set. The first MAX_REPORTED_ERRORS invalid
+lines are reported, each with its 1-based line number and why.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,35 @@ def read_lines(path: Path) -> Iterator[tuple[int, bytes | None]]:
                 yield number, raw
 
 
+class CustomIds:
+    """custom_ids, each with the line number it was added with, in a private temporary SQLite database
+    (deleted on close) that keeps a small cache in memory: memory stays bounded whatever their number."""
+
+    def __init__(self) -> None:
+        self._db = sqlite3.connect("")
+        self._db.execute("PRAGMA cache_size=-2048")
+        self._db.execute("CREATE TABLE ids (custom_id TEXT PRIMARY KEY, line INTEGER NOT NULL) WITHOUT ROWID")
+        self._db.execute("BEGIN")  # never committed: the database is thrown away
+        self._count = 0
+
+    def add(self, custom_id: str, line: int) -> int | None:
+        """None if `custom_id` is new, else the line it was first added with (the first stays)."""
+        if self._db.execute("INSERT OR IGNORE INTO ids VALUES (?, ?)", (custom_id, line)).rowcount:
+            self._count += 1
+            return None
+        (first,) = self._db.execute("SELECT line FROM ids WHERE custom_id = ?", (custom_id,)).fetchone()
+        return first
+
+    def __contains__(self, custom_id: str) -> bool:
+        return self._db.execute("SELECT 1 FROM ids WHERE custom_id = ?", (custom_id,)).fetchone() is not None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def close(self) -> None:
+        self._db.close()
+
+
 @dataclass
 class Validation:
     total: int = 0
@@ -60,15 +90,13 @@ class Validation:
 
 
 def validate_input(
-    path: Path, endpoint: str, model: type[BaseModel], max_lines: int, stop: threading.Event
+    path: Path, models: Mapping[str, type[BaseModel]], max_lines: int | None, stop: threading.Event
 ) -> Validation:
-    """Checks every line of `path` (stops early once `stop` is set or past `max_lines` requests)."""
+    """Checks every line of `path` against `models` (url → the endpoint's request model); stops early once
+    `stop` is set or past `max_lines` requests (None: no limit)."""
     result = Validation()
-    ids = sqlite3.connect("")  # a private temporary database, deleted on close
+    ids = CustomIds()
     try:
-        ids.execute("PRAGMA cache_size=-2048")
-        ids.execute("CREATE TABLE ids (custom_id TEXT PRIMARY KEY, line INTEGER NOT NULL) WITHOUT ROWID")
-        ids.execute("BEGIN")
         for number, raw in read_lines(path):
             if stop.is_set():
                 break
@@ -80,11 +108,8 @@ def validate_input(
                 )
                 break
             result.total += 1
-            custom_id = _check_line(number, raw, endpoint, model, result)
-            if custom_id is None:
-                continue
-            if ids.execute("INSERT OR IGNORE INTO ids VALUES (?, ?)", (custom_id, number)).rowcount == 0:
-                (first,) = ids.execute("SELECT line FROM ids WHERE custom_id = ?", (custom_id,)).fetchone()
+            custom_id = _check_line(number, raw, models, result)
+            if custom_id is not None and (first := ids.add(custom_id, number)) is not None:
                 result.add(
                     number,
                     "duplicate_custom_id",
@@ -100,7 +125,7 @@ def validate_input(
 
 
 def _check_line(
-    number: int, raw: bytes | None, endpoint: str, model: type[BaseModel], result: Validation
+    number: int, raw: bytes | None, models: Mapping[str, type[BaseModel]], result: Validation
 ) -> str | None:
     """The line's custom_id if the line is valid (its custom_id is checked for uniqueness by the caller)."""
     if raw is None:
@@ -120,19 +145,20 @@ def _check_line(
         return None
     if line.method != "POST":
         result.add(number, "invalid_method", f"Line {number}: method must be 'POST', got '{line.method}'.", "method")
-    elif line.url != endpoint:
-        result.add(
-            number,
-            "invalid_url",
-            f"Line {number}: url '{line.url}' does not match the batch's endpoint '{endpoint}'.",
-            "url",
-        )
-    elif (problem := _check_body(line.body, model)) is not None:
+    elif line.url not in models:
+        result.add(number, "invalid_url", f"Line {number}: url '{line.url}' {_not_batched(models)}.", "url")
+    elif (problem := _check_body(line.body, models[line.url])) is not None:
         message, param = problem
         result.add(number, "invalid_request", f"Line {number}: {message}", param)
     else:
         return line.custom_id
     return None
+
+
+def _not_batched(models: Mapping[str, type[BaseModel]]) -> str:
+    if len(models) == 1:
+        return f"does not match the batch's endpoint '{next(iter(models))}'"
+    return f"is not an endpoint a batch runs ({', '.join(models)})"
 
 
 def _check_body(body: dict[str, Any], model: type[BaseModel]) -> tuple[str, str | None] | None:

@@ -1,0 +1,108 @@
+"""Command-line flags both commands share (`serve`, `run-batch`): one flag per config dataclass field, the
+output parsers, the log level; and the configs built back from them, a bad value being a usage error."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from hybridserve.config import EngineConfig, ExtensionConfig
+from hybridserve.sampling_params import InvalidParameter
+from hybridserve.serving.parsers.reasoning import REASONING_PARSERS
+from hybridserve.serving.parsers.tools import TOOL_PARSERS
+
+C = TypeVar("C")
+
+
+def add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
+    """One argument per field of the dataclass `config`: `--field-name` (the bare name if its metadata says
+    positional, its `flag` if it names one), the field's default and help, and the options its metadata holds;
+    a bool is --x / --no-x, a list a repeatable flag."""
+    hints = typing.get_type_hints(config)
+    for f in dataclasses.fields(config):
+        options = dict(f.metadata)
+        positional = options.pop("positional", False)
+        flag = options.pop("flag", "--" + f.name.replace("_", "-"))
+        kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+        default = f.default
+        if typing.get_origin(kind) is list:  # a repeatable flag
+            options["action"] = "append"
+            (kind,) = typing.get_args(kind)
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+            if "env" in options:
+                default = bool_from_env(parser, options.pop("env"), default)
+        elif "type" in options:
+            options["type"] = flag_type(options["type"])
+        elif kind is not str:
+            options["type"] = kind
+        if positional:
+            parser.add_argument(f.name, nargs="?", default=default, **options)
+        else:
+            parser.add_argument(flag, dest=f.name, default=default, **options)
+
+
+def bool_from_env(parser: argparse.ArgumentParser, variable: str, default: bool) -> bool:
+    """$variable as a flag's default: 1 or 0; unset or empty keeps `default`; anything else is a usage error."""
+    value = os.environ.get(variable, "")
+    if value not in ("", "0", "1"):
+        parser.error(f"${variable} must be 1 or 0, got {value!r}")
+    return default if value == "" else value == "1"
+
+
+def flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` as an argparse type: the ValueError it raises becomes the usage error's message."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def config_from(config: type[C], args: argparse.Namespace) -> C:
+    """The dataclass `config` built from the arguments add_config_flags made for it."""
+    return config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config)})
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (EngineConfig, the MODEL positional among them), the extensions' and the output
+    parsers': what decides the answers a request gets."""
+    parser.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=["auto", "none", *REASONING_PARSERS],
+        help="how reasoning is read out of the output (auto: from the chat template; none: all of it is text)",
+    )
+    parser.add_argument(
+        "--tool-parser",
+        default="auto",
+        choices=["auto", "none", *TOOL_PARSERS],
+        help="how tool calls are read out of the output (auto: from the chat template, hermes for templates "
+        "without tools, which get tools in the Hermes form; none: calls stay text)",
+    )
+    add_config_flags(parser, EngineConfig)
+    add_config_flags(parser, ExtensionConfig)
+
+
+def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logging level for hybridserve (and for uvicorn, under serve)",
+    )
+
+
+def model_configs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[EngineConfig, ExtensionConfig]:
+    """The configs add_model_flags made flags for; a value they reject is a usage error naming its flag."""
+    try:
+        return config_from(EngineConfig, args), config_from(ExtensionConfig, args)
+    except InvalidParameter as exc:
+        parser.error(f"--{exc.param.replace('_', '-')}: {exc}")

@@ -1,0 +1,113 @@
+"""Running batch lines, shared by the online runner and `hybridserve run-batch`.
+
+`call_endpoint` hands a line's body to its endpoint's service (`BatchEndpoint.create`, the code behind the HTTP
+route) and returns the status and body bytes the route would have answered, errors included, so a batch's
+response bodies are the HTTP API's own. `run_bounded` runs such requests at most `limit` at a time, and
+`Progress` counts what finished and says so in one log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from hybridserve.serving.openai.batches.protocol import BatchEndpoint, InputLine
+from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, validation_error
+
+logger = logging.getLogger(__name__)
+# The scheduler serves lower values first: online traffic is 0 (generation.ONLINE_PRIORITY).
+BATCH_PRIORITY = 1
+
+
+async def call_endpoint(endpoint: BatchEndpoint, line: InputLine, who: str) -> tuple[int, bytes]:
+    """`(status, body)` of the line's request as its HTTP route answers it; `who` names the batch in logs."""
+    try:
+        req = endpoint.model.model_validate(line.body)
+        response = await endpoint.create(req, detached_request(line.url))
+        return response.status_code, bytes(response.body)
+    except APIError as exc:
+        return exc.status, msgspec.json.encode(exc.body())
+    except ValidationError as exc:
+        error = validation_error(list(exc.errors()))
+        return error.status, msgspec.json.encode(error.body())
+    except Exception as exc:  # what the HTTP route would answer 500 for
+        logger.exception("%s: request %r failed", who, line.custom_id)
+        error = APIError(500, f"Internal server error: {exc}", type=SERVER_ERROR)
+        return error.status, msgspec.json.encode(error.body())
+
+
+async def _never() -> dict:
+    return await asyncio.get_running_loop().create_future()
+
+
+def detached_request(path: str) -> Request:
+    """The `request` a service watches for a disconnect: a batch request has no client to lose. Its scope
+    says it is batch work, which the scheduler admits after online requests and preempts first."""
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+    return Request({**scope, "state": {"priority": BATCH_PRIORITY}}, _never)
+
+
+async def run_bounded(requests: Iterable[Awaitable[None]], limit: int) -> None:
+    """Awaits every request, at most `limit` at a time, taking the next from `requests` (read lazily) as one
+    finishes. The first that raises cancels the others and raises; so does a cancellation of this call."""
+    in_flight: set[asyncio.Task[None]] = set()
+    try:
+        for request in requests:
+            in_flight.add(asyncio.ensure_future(request))
+            while len(in_flight) >= limit:
+                finished, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                _raise_failures(finished)
+        if in_flight:
+            finished, in_flight = await asyncio.wait(in_flight)
+            _raise_failures(finished)
+    finally:
+        for task in in_flight:
+            task.cancel()
+        if in_flight:
+            await asyncio.wait(in_flight)
+
+
+def _raise_failures(finished: set[asyncio.Task[None]]) -> None:
+    for task in finished:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            raise exc
+
+
+@dataclass
+class Progress:
+    """Requests done of a batch, with those a resumed batch had done before this run: the rate counts only
+    this run's."""
+
+    completed: int = 0
+    failed: int = 0
+    started: float = field(default_factory=time.monotonic)
+    done_at_start: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.done_at_start = self.done
+
+    @property
+    def done(self) -> int:
+        return self.completed + self.failed
+
+    def count(self, ok: bool) -> None:
+        if ok:
+            self.completed += 1
+        else:
+            self.failed += 1
+
+    def line(self, total: int) -> str:
+        elapsed = time.monotonic() - self.started
+        rate = (self.done - self.done_at_start) / elapsed if elapsed > 0 else 0.0
+        eta = f"{(total - self.done) / rate:.0f} s" if rate > 0 else "unknown"
+        return (
+            f"{self.done}/{total} requests done ({self.completed} completed, {self.failed} failed), {rate:.2f}/s, "
+            f"ETA {eta}"
+        )
