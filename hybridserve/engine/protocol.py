@@ -124,6 +124,7 @@ class WorkerStatus(msgspec.Struct, frozen=True):
     routed_hits: int = 0  # requests routed to it that matched cached blocks there
     routed_misses: int = 0
     matched_blocks: int = 0
+    restarts: int = 0  # times a local worker's process was started again after it died
 
 
 class EngineFacts(msgspec.Struct, frozen=True, array_like=True):

@@ -7,6 +7,7 @@ workers. It is always the same router and the same path, only the worker list di
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from hybridserve.config import DeploymentConfig, EngineConfig
 from hybridserve.engine.async_llm import AsyncLLM, eos_token_ids
@@ -22,9 +23,12 @@ STARTUP_TIMEOUT_S = 600.0  # loading a model; remote workers: until the first on
 WORKER_API_KEY_ENV = "HYBRIDSERVE_WORKER_API_KEY"
 
 
-def build_engine(config: EngineConfig, deployment: DeploymentConfig | None = None) -> AsyncLLM:
+def build_engine(
+    config: EngineConfig, deployment: DeploymentConfig | None = None, on_fatal: Callable[[str], None] | None = None
+) -> AsyncLLM:
     """Starts the local workers, waits until they (and at least one worker in all) answer, and returns the
-    frontend's engine. Raises EngineUnavailable when none can serve, after stopping what it started."""
+    frontend's engine. Raises EngineUnavailable when none can serve, after stopping what it started. `on_fatal`
+    hears (in the event loop) that the deployment cannot serve again: local workers keep failing to start."""
     deployment = deployment or DeploymentConfig()
     resolved = resolve_model(config.model)
     tokenizer = load_tokenizer(resolved.hf_dir)
@@ -40,7 +44,9 @@ def build_engine(config: EngineConfig, deployment: DeploymentConfig | None = Non
     count = deployment.local_workers
     local = LocalWorkers(config, hf_dir, resolved.name, count) if count else None
     links = [*(local.links if local else []), *(WorkerLink(url, url) for url in deployment.workers or ())]
-    router = Router(links, expected, settings, local.start if local else None, local.shutdown if local else None)
+    router = Router(
+        links, expected, settings, local.start if local else None, local.shutdown if local else None, on_fatal
+    )
     try:
         router.wait_for_workers(STARTUP_TIMEOUT_S, require_all=not deployment.workers)
     except BaseException:

@@ -43,6 +43,13 @@ class HandshakeRefused(RuntimeError):
     pass
 
 
+class WorkerExited(RuntimeError):
+    """A local worker's process ended before it answered."""
+
+
+_POLL_MS = 200
+
+
 @dataclass
 class WorkerLink:
     name: str
@@ -55,6 +62,8 @@ class WorkerLink:
     requests: dict[str, int] = field(default_factory=dict)  # request id → tokens it holds (its load)
     last_heard: float = 0.0
     failures: int = 0  # consecutive failed connects or losses, for the backoff
+    restarts: int = 0  # times a local worker's process was started again
+    start_failures: int = 0  # consecutive starts of a local worker's process that ended before it answered
     retry_at: float = 0.0
     routed_hits: int = 0  # requests routed here that matched at least one cached block
     routed_misses: int = 0
@@ -71,7 +80,8 @@ class WorkerLink:
             self.sock.send(_encode(msg), flags=zmq.NOBLOCK)
 
     async def connect(self, ctx: zmq.asyncio.Context, frontend: str, secret: str, timeout_s: float) -> Welcome:
-        """Opens a new session; raises HandshakeRefused when the worker says no, TimeoutError when it is silent."""
+        """Opens a new session; raises HandshakeRefused when the worker says no, TimeoutError when it is silent,
+        WorkerExited when a local worker's process ends first."""
         self.close()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -79,9 +89,14 @@ class WorkerLink:
         sock.connect(self.address)
         self.sock = sock
         sock.send(_encode(Hello(frontend, uuid.uuid4().hex, secret)))
-        if not await sock.poll(int(timeout_s * 1000)):
-            self.close()
-            raise TimeoutError(f"no answer within {timeout_s:g}s")
+        deadline = time.monotonic() + timeout_s
+        while not await sock.poll(_POLL_MS):
+            if self.process is not None and not self.process.is_alive():
+                self.close()
+                raise WorkerExited(f"its process exited during start-up (exit code {self.process.exitcode})")
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"no answer within {timeout_s:g}s")
         reply = _decode(await sock.recv())
         if isinstance(reply, Refused):
             self.close()

@@ -49,13 +49,15 @@ from hybridserve.engine.protocol import (
     WorkerStatus,
 )
 from hybridserve.router.index import KVIndex
-from hybridserve.router.link import HandshakeRefused, WorkerLink, WorkerState
+from hybridserve.router.link import HandshakeRefused, WorkerExited, WorkerLink, WorkerState
 from hybridserve.router.policy import Candidate, Policy, Routing
 
 logger = logging.getLogger("hybridserve.router")
 
 HEARTBEAT_S = 1.0
 MAX_BACKOFF_S = 30.0
+STARTUP_TIMEOUT_S = 600.0  # a local worker loading its model
+MAX_START_FAILURES = 3  # a local worker that fails to start this often in a row, with no worker up, is fatal
 _POLL_MS = 200
 
 
@@ -85,6 +87,7 @@ class Router:
         settings: RouterSettings,
         respawn: Callable[[WorkerLink], None] | None = None,
         on_shutdown: Callable[[], None] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         if not links:
             raise ValueError("a router needs at least one worker")
@@ -93,6 +96,7 @@ class Router:
         self.settings = settings
         self.respawn = respawn  # starts a local worker's process again
         self.on_shutdown = on_shutdown  # stops the local workers' processes
+        self.on_fatal = on_fatal  # the deployment cannot serve again: the server should exit non-zero
         self.frontend = uuid.uuid4().hex
         self.identity: WorkerIdentity | None = None  # of the first accepted worker: the deployment's
         self.index = KVIndex()
@@ -218,15 +222,19 @@ class Router:
     async def _connect(self, link: WorkerLink) -> None:
         try:
             if link.process is not None and not link.process.is_alive() and self.respawn is not None:
-                logger.warning("worker %s: starting its process again", link.name)
+                link.restarts += 1
+                logger.warning("worker %s: starting its process again (restart %d)", link.name, link.restarts)
                 self.respawn(link)
             try:
                 welcome = await link.connect(
                     self._ctx, self.frontend, self.settings.secret, self._connect_timeout(link)
                 )
-            except (TimeoutError, HandshakeRefused) as exc:
+            except (TimeoutError, HandshakeRefused, WorkerExited) as exc:
                 refused = isinstance(exc, HandshakeRefused)
                 self._retry_later(link, WorkerState.REFUSED if refused else WorkerState.DOWN, str(exc))
+                if isinstance(exc, WorkerExited):
+                    link.start_failures += 1
+                    self._give_up_if_hopeless(link)
                 return
             if (problem := self._check(link, welcome.identity)) is not None:
                 link.close()
@@ -234,7 +242,7 @@ class Router:
                 return
             self.index.add_worker(link.name, welcome.identity.recurrent_state)
             link.subscribe(self._ctx, welcome.events_address)
-            link.failures = 0
+            link.failures = link.start_failures = 0
             self._set_state(link, WorkerState.UP, None)
             self._tasks[link.name] = [
                 asyncio.create_task(self._read(link)),
@@ -248,7 +256,14 @@ class Router:
 
     def _connect_timeout(self, link: WorkerLink) -> float:
         """A starting local process loads its model first; a remote worker answers at once or is down."""
-        return 600.0 if link.process is not None else self.settings.worker_timeout_s
+        return STARTUP_TIMEOUT_S if link.process is not None else self.settings.worker_timeout_s
+
+    def _give_up_if_hopeless(self, link: WorkerLink) -> None:
+        """A local worker that keeps failing to start while no worker serves: nothing here will recover, so a
+        supervisor should see the server exit."""
+        serving = any(w.state in (WorkerState.UP, WorkerState.CONNECTING) for w in self.links)
+        if link.start_failures >= MAX_START_FAILURES and not serving and self.on_fatal is not None:
+            self.on_fatal(f"worker {link.name} failed to start {link.start_failures} times in a row ({link.error})")
 
     def _retry_later(self, link: WorkerLink, state: WorkerState, why: str) -> None:
         link.failures += 1
@@ -393,6 +408,7 @@ class Router:
                 w.routed_hits,
                 w.routed_misses,
                 w.matched_blocks,
+                w.restarts,
             )
             for w in self.links
         ]

@@ -241,7 +241,16 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from hybridserve.serving.extensions import extension_for
     from hybridserve.serving.postprocess import PostprocessPool
 
-    engine = build_engine(config, deployment)
+    fatal: list[str] = []  # why the engine cannot serve again, once it is known
+    servers: list[ReadyServer] = []
+
+    def give_up(reason: str) -> None:
+        logger.critical("%s; exiting so that a supervisor can start the server again", reason)
+        fatal.append(reason)
+        for server in servers:
+            server.should_exit = True
+
+    engine = build_engine(config, deployment, on_fatal=give_up)
     pool = None
     stopped = False
 
@@ -264,9 +273,12 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             engine, args.api_key, args.data_dir, retention, parsers, pool, extension, batch_settings=batches
         )
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-        ReadyServer(server_config, engine.model_name, stop).run()
+        servers.append(ReadyServer(server_config, engine.model_name, stop))
+        servers[0].run()
     finally:
         stop()
+    if fatal:
+        raise SystemExit(f"hybridserve serve: {fatal[0]}")
 
 
 def main(argv: list[str] | None = None) -> int | None:

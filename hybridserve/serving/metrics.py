@@ -141,14 +141,20 @@ class _EngineStatsCollector:
             "Cached prompt blocks the routed requests matched on the worker.",
             labels=[*self.names, "policy"],
         )
+        restarts = CounterMetricFamily(
+            "hybridserve:worker_restarts",
+            "Times a local engine worker's process was started again after it died.",
+            labels=self.names,
+        )
         for w in workers:
             key = [*self.values, w.name]
             up.add_metric(key, float(w.state == "up"))
+            restarts.add_metric(key, w.restarts)
             load.add_metric(key, w.load_tokens)
             decisions.add_metric([*key, w.policy, "hit"], w.routed_hits)
             decisions.add_metric([*key, w.policy, "miss"], w.routed_misses)
             matched.add_metric([*key, w.policy], w.matched_blocks)
-        yield from (up, load, decisions, matched)
+        yield from (up, load, decisions, matched, restarts)
 
 
 class _BatchStatusCollector:

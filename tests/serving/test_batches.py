@@ -476,7 +476,7 @@ def test_20k_lines_validate_in_bounded_memory(tmp_path: Path):
 def test_cli_flags_reach_the_batch_settings(monkeypatch, tokenizer, capsys):
     seen = {}
 
-    def build_engine(config, deployment):
+    def build_engine(config, deployment, on_fatal=None):
         return FakeEngine(tokenizer, [PARIS])
 
     def fake_build_app(*args, batch_settings):

@@ -131,7 +131,7 @@ def test_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tokenizer):
     engine = FakeEngine(tokenizer, [PARIS])
     engine.shutdown = lambda: seen.setdefault("shutdown", True)
 
-    def build_engine(config, deployment):
+    def build_engine(config, deployment, on_fatal=None):
         seen["config"] = config
         return engine
 
@@ -188,7 +188,7 @@ def test_serve_hands_the_extension_its_config(monkeypatch, tokenizer):
     engine.shutdown = lambda: None
     seen = {}
 
-    def build_engine(config, deployment):
+    def build_engine(config, deployment, on_fatal=None):
         return engine
 
     def build_app(engine, api_key, data_dir, retention, parsers, pool, extension, batch_settings):

@@ -147,7 +147,7 @@ def test_cli_flags_reach_the_store(monkeypatch, tokenizer):
     args = cli.build_parser().parse_args(["serve"])
     assert (args.response_store_max_count, args.response_store_max_age) == (10_000, 30 * 24 * 3600)
 
-    def build_engine(config, deployment):
+    def build_engine(config, deployment, on_fatal=None):
         return FakeEngine(tokenizer, [PARIS])
 
     def fake_build_app(engine, api_key, data_dir, retention, parsers, postprocess, extension, batch_settings):
