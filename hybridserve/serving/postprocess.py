@@ -34,7 +34,7 @@ from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
 from hybridserve.serving.openai.generation import RunAccounting, engine_failure, usage_body
 from hybridserve.serving.openai.responses.events import ResponseFormatter
 from hybridserve.serving.openai.responses.output import EventWriter
-from hybridserve.serving.openai.responses.protocol import failed_response
+from hybridserve.serving.openai.responses.protocol import cancelled_response, failed_response
 from hybridserve.serving.openai.tools import ToolRequest, output_parser
 from hybridserve.serving.parsers import Parsers
 
@@ -317,7 +317,8 @@ class PooledResponseRun:
 
     async def events(self, stream: bool) -> AsyncIterator[bytes]:
         """As ResponseRun.events: the frames (when `stream`), `final` set, `finish` called before the terminal
-        event. If the worker itself fails, the stream still ends with error → failed (numbered on)."""
+        event, on every way out. If the worker itself fails, the stream still ends with error → failed
+        (numbered on); a cancelled run is stored without the output so far, which only the worker had."""
         rid = self.job.request.request_id
         ticket: _Ticket | None = None
         ended = False
@@ -337,26 +338,37 @@ class PooledResponseRun:
                 if msg.final is not None:
                     ended = True
                     outcome = "error" if msg.error is not None else None
+                    self._end(msg.final)
                     if msg.error is not None and not stream:
                         raise APIError(500, msg.error, type=SERVER_ERROR)
-                    self.final = msg.final
-                    self.finish(self.final)
                 if msg.frames:
                     sent += msg.frames.count(b"\n\n")
                     yield msg.frames
         except RuntimeError as exc:
             outcome = "error"
             error = APIError(500, str(exc), type=SERVER_ERROR)
+            self._end(failed_response(self.job.base, error, self.accounting.usage()))
             if not stream:
                 raise error from None
             event = EventWriter()
             event.sequence_number = sent
-            self.final = failed_response(self.job.base, error, self.accounting.usage())
-            self.finish(self.final)
             yield event("error", code=error.code or error.type, message=error.message, param=error.param)
             yield event("response.failed", response=self.final)
+        except (asyncio.CancelledError, GeneratorExit):
+            if self.final is None:
+                self._end(cancelled_response(self.job.base, [], self.accounting.usage()))
+            raise
+        except Exception as exc:
+            if self.final is None:  # a bug: the response fails, loudly
+                error = APIError(500, f"The response failed: {exc}", type=SERVER_ERROR)
+                self._end(failed_response(self.job.base, error, self.accounting.usage()))
+            raise
         finally:
             self.engine.release([rid], abort=[] if ended else [rid])
             if ticket is not None:
                 self.pool.close(ticket, unfinished=not ended)
             self.accounting.close(outcome)
+
+    def _end(self, final: dict[str, Any]) -> None:
+        self.final = final
+        self.finish(final)

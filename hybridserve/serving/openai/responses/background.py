@@ -15,9 +15,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
 from hybridserve.serving.openai.responses.events import ResponseRun
-from hybridserve.serving.openai.responses.protocol import failed_response
 from hybridserve.serving.openai.responses.store import ResponseStore
 
 logger = logging.getLogger(__name__)
@@ -42,22 +40,22 @@ class BackgroundRuns:
         live.task = asyncio.create_task(self._run(live), name=f"background {response.base['id']}")
 
     async def _run(self, live: _Live) -> None:
-        response_id = live.response.base["id"]
+        run = live.response
+        response_id = run.base["id"]
+        events = run.events(stream=True, background=True)
         try:
-            async for frame in live.response.events(stream=True, background=True):
+            self.store.start(response_id)
+            async for frame in events:
                 async with live.changed:
                     live.frames.append(frame)
                     live.changed.notify_all()
             self.store.put_events(response_id, live.frames)
-        except asyncio.CancelledError:
-            cancelled = live.response.cancelled()
-            self.store.replace(cancelled)
+        except asyncio.CancelledError:  # cancel() or shutdown: the run stored itself as cancelled
             self.store.put_events(response_id, live.frames)
-        except Exception as exc:  # ResponseRun turns engine failures into events; anything else is a bug
+        except Exception:  # ResponseRun turns engine failures into events and stores a bug as failed
             logger.exception("background response %s failed", response_id)
-            error = APIError(500, f"The response failed: {exc}", type=SERVER_ERROR)
-            self.store.replace(failed_response(live.response.base, error, live.response.run.usage()))
         finally:
+            await events.aclose()  # cancelled outside the run: closing it stores it as cancelled
             del self._live[response_id]
             async with live.changed:
                 live.changed.notify_all()

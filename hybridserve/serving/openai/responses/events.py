@@ -9,11 +9,12 @@ objects.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from hybridserve.engine.outputs import CompletionOutput
-from hybridserve.serving.openai.errors import APIError
+from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
 from hybridserve.serving.openai.generation import GenerationRun, logprobs_content
 from hybridserve.serving.openai.responses.output import EventWriter, OutputBuilder
 from hybridserve.serving.openai.responses.protocol import (
@@ -106,7 +107,11 @@ class ResponseFormatter:
 
 
 class ResponseRun:
-    """`finish` receives the terminal object (to store it) before its event is sent; `final` holds it after."""
+    """`finish` receives the terminal object (to store it) before its event is sent; `final` holds it after.
+
+    Every way out of `events` ends in `finish`: the run's end, an engine failure, being cancelled or closed
+    (a client disconnect, a background cancel: `cancelled`, with the output so far) and a bug (`failed`),
+    so a stored response is never left in progress."""
 
     def __init__(
         self, run: GenerationRun, base: dict[str, Any], parser: StreamParser, finish: Callable[[dict], None]
@@ -126,23 +131,38 @@ class ResponseRun:
         run = self.run
         logprobs = run.params[0].logprobs is not None
         fmt = self.formatter = ResponseFormatter(self.base, self.parser, stream, background, logprobs)
-        for frame in fmt.start():
-            yield frame
-        finish_reason = None
+        failure: APIError | None = None
         try:
-            async for _, out, finished in run.outputs():
-                for frame in fmt.feed(out):
-                    yield frame
-                if finished:
-                    finish_reason = out.finish_reason
-        except APIError as exc:
-            if not stream:
-                raise
-            frames, self.final = fmt.fail(exc, run.usage())
-        else:
-            frames, self.final = fmt.finish(finish_reason, run.usage())
-        for frame in frames[:-1]:
-            yield frame
-        self.finish(self.final)
+            for frame in fmt.start():
+                yield frame
+            finish_reason = None
+            try:
+                async for _, out, finished in run.outputs():
+                    for frame in fmt.feed(out):
+                        yield frame
+                    if finished:
+                        finish_reason = out.finish_reason
+            except APIError as exc:
+                failure = exc
+                frames, final = fmt.fail(exc, run.usage())
+            else:
+                frames, final = fmt.finish(finish_reason, run.usage())
+            for frame in frames[:-1]:
+                yield frame
+        except (asyncio.CancelledError, GeneratorExit):
+            self._end(self.cancelled())
+            raise
+        except Exception as exc:  # a bug: the response fails, loudly
+            self._end(
+                failed_response(self.base, APIError(500, f"The response failed: {exc}", type=SERVER_ERROR), run.usage())
+            )
+            raise
+        self._end(final)
+        if failure is not None and not stream:
+            raise failure
         for frame in frames[-1:]:
             yield frame
+
+    def _end(self, final: dict[str, Any]) -> None:
+        self.final = final
+        self.finish(final)

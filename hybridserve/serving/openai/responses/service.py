@@ -100,18 +100,22 @@ class ResponsesService:
             renames=RENAMES,
         )
         response_id = new_id("resp")
-        run = GenerationRun(
-            self.engine, self.metrics, response_id, [prompt.ids], [params], arrival, request_priority(request)
-        )
         base = base_response(req, response_id, self.engine.model_name)
         if req.return_token_ids:
             base["prompt_token_ids"] = prompt.ids
+        if req.background:
+            base["status"] = "queued"
+        if req.store:  # from here on a retrieve finds it: in progress (queued), then as it ended
+            self.store.put(base, items, conversation)
+        run = GenerationRun(
+            self.engine, self.metrics, response_id, [prompt.ids], [params], arrival, request_priority(request)
+        )
 
         def finish(response: dict[str, Any]) -> None:
             if req.return_token_ids:
                 response["output_token_ids"] = run.token_ids[0]
             if req.store:
-                self.store.put(response, items, conversation)
+                self.store.replace(response)
 
         # Output ids are collected by the in-process run: return_token_ids stays off the post-processing pool.
         if self.postprocess is not None and not req.background and not req.return_token_ids:
@@ -124,8 +128,6 @@ class ResponsesService:
             return await cancel_on_disconnect(request, _complete(pooled))
         response = ResponseRun(run, base, output_parser(self.parsers, prompt.text, tools), finish)
         if req.background:
-            base["status"] = "queued"
-            self.store.put(base, items, conversation)
             self.background.start(response)
             if req.stream:  # a disconnect only stops following: the run goes on
                 return EventStreamResponse(self.background.events(response_id, -1))

@@ -111,6 +111,14 @@ class ResponseStore:
             db.executemany("INSERT INTO response_output_items VALUES (?, ?, ?, ?)", outputs)
             self._evict(db, response["id"])
 
+    def start(self, response_id: str) -> None:
+        """A queued response (background) began generating: it reads in_progress from now on."""
+        self.db.execute(
+            "UPDATE responses SET response = json_set(response, '$.status', 'in_progress') "
+            "WHERE id = ? AND json_extract(response, '$.status') = 'queued'",
+            response_id,
+        )
+
     def replace(self, response: dict[str, Any]) -> None:
         """A new state of a stored response (its input and conversation stay)."""
         outputs = [(response["id"], i, item["id"], json.dumps(item)) for i, item in enumerate(response["output"])]
