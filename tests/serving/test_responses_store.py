@@ -6,9 +6,11 @@ import shutil
 import time
 
 import httpx
+import pytest
 from fastapi.testclient import TestClient
 
 from hybridserve.serving.app import build_app
+from hybridserve.serving.openai.responses.store import TERMINAL, ResponseStore
 from hybridserve.serving.storage import DATABASE_FILE
 
 from .fake_engine import FakeEngine
@@ -73,3 +75,34 @@ def test_a_failed_non_streamed_response_is_stored_failed(tokenizer):
         assert client.post("/v1/responses", json={"input": ASK}).status_code == 500
         [(stored,)] = app.state.response_store.db.all("SELECT response FROM responses")
     assert json.loads(stored)["status"] == "failed"  # nothing is left in progress
+
+
+def test_a_terminal_state_is_never_overwritten(tokenizer):
+    """A running response marked failed under it (what a second server's start-up did) stays failed when the
+    run ends: a client never sees a terminal state change."""
+    engine = FakeEngine(tokenizer, [PARIS])
+    engine.pause_at_step = 2
+    app = build_app(engine, None)
+    with TestClient(app) as client:
+        rid = client.post("/v1/responses", json={"input": ASK, "background": True}).json()["id"]
+        wait(engine.paused.is_set, "the engine to pause")
+        app.state.response_store.fail_unfinished(UNFINISHED["message"])
+        failed = client.get(f"/v1/responses/{rid}").json()
+        engine.resume.set()
+        replay = client.get(f"/v1/responses/{rid}", params={"stream": "true"}).text  # returns once the run ended
+        assert "response.completed" in replay and engine.completed == [rid]
+        assert client.get(f"/v1/responses/{rid}").json() == failed
+    assert (failed["status"], failed["error"]) == ("failed", UNFINISHED)
+
+
+@pytest.mark.parametrize("status", TERMINAL)
+def test_update_leaves_a_terminal_state(status):
+    store = ResponseStore(":memory:")
+    item = {"id": "msg_1", "type": "message"}
+    store.put({"id": "resp_1", "created_at": 1, "status": "in_progress", "output": []}, [], [])
+    assert store.update({"id": "resp_1", "created_at": 1, "status": status, "output": [item]})
+    for later in TERMINAL + ("in_progress", "queued"):
+        assert not store.update({"id": "resp_1", "created_at": 1, "status": later, "output": []})
+    assert store.get("resp_1") == {"id": "resp_1", "created_at": 1, "status": status, "output": [item]}
+    assert store.item("msg_1") == item
+    assert store.fail_unfinished("stopped") == []

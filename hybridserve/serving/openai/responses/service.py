@@ -114,8 +114,13 @@ class ResponsesService:
         def finish(response: dict[str, Any]) -> None:
             if req.return_token_ids:
                 response["output_token_ids"] = run.token_ids[0]
-            if req.store:
-                self.store.replace(response)
+            if req.store and not self.store.update(response) and (stored := self.store.get(response_id)):
+                logger.warning(
+                    "response %s ended %s, but its stored state %s is terminal and stays",
+                    response_id,
+                    response["status"],
+                    stored["status"],
+                )
 
         # Output ids are collected by the in-process run: return_token_ids stays off the post-processing pool.
         if self.postprocess is not None and not req.background and not req.return_token_ids:

@@ -55,6 +55,8 @@ CREATE INDEX IF NOT EXISTS input_items_by_id ON response_input_items (item_id);
 CREATE INDEX IF NOT EXISTS output_items_by_id ON response_output_items (item_id);
 """
 DAY_S = 24 * 60 * 60
+TERMINAL = ("completed", "failed", "cancelled", "incomplete")
+_UNENDED = "json_extract(response, '$.status') NOT IN (" + ", ".join(f"'{s}'" for s in TERMINAL) + ")"
 
 
 @dataclass(frozen=True)
@@ -119,13 +121,20 @@ class ResponseStore:
             response_id,
         )
 
-    def replace(self, response: dict[str, Any]) -> None:
-        """A new state of a stored response (its input and conversation stay)."""
+    def update(self, response: dict[str, Any]) -> bool:
+        """A new state of a stored response (its input and conversation stay), unless the stored state is
+        terminal: a completed, failed, cancelled or incomplete response is never overwritten. Whether it was
+        written (False also when the response is gone)."""
         outputs = [(response["id"], i, item["id"], json.dumps(item)) for i, item in enumerate(response["output"])]
         with self.db.transaction() as db:
-            db.execute("UPDATE responses SET response = ? WHERE id = ?", (json.dumps(response), response["id"]))
-            db.execute("DELETE FROM response_output_items WHERE response_id = ?", (response["id"],))
-            db.executemany("INSERT INTO response_output_items VALUES (?, ?, ?, ?)", outputs)
+            written = db.execute(
+                f"UPDATE responses SET response = ? WHERE id = ? AND {_UNENDED}",
+                (json.dumps(response), response["id"]),
+            ).rowcount
+            if written:
+                db.execute("DELETE FROM response_output_items WHERE response_id = ?", (response["id"],))
+                db.executemany("INSERT INTO response_output_items VALUES (?, ?, ?, ?)", outputs)
+        return bool(written)
 
     def put_events(self, response_id: str, frames: list[bytes]) -> None:
         """A background response's stream, frame i being sequence number i (nothing if it was evicted)."""
@@ -150,7 +159,7 @@ class ResponseStore:
         for (text,) in rows:
             response = json.loads(text)
             response.update(status="failed", error={"code": "server_error", "message": message})
-            self.replace(response)
+            self.update(response)
             failed.append(response["id"])
         return failed
 
