@@ -99,7 +99,7 @@ class Database:
                 yield self._db
             except BaseException:
                 self._depth -= 1
-                if outermost:
+                if outermost and self._db.in_transaction:  # SQLite itself rolls back on a full disk
                     self._db.execute("ROLLBACK")
                 raise
             self._depth -= 1

@@ -1,6 +1,8 @@
-"""One server per --data-dir: a second one on the same directory refuses to start and touches nothing."""
+"""The data directory: one server per --data-dir (a second one on it refuses to start and touches nothing), and
+its database's errors reach callers as they are."""
 
 import os
+import sqlite3
 import sys
 import time
 import types
@@ -10,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from hybridserve.serving import cli
 from hybridserve.serving.app import build_app
-from hybridserve.serving.storage import DataDir, DataDirInUse
+from hybridserve.serving.storage import Database, DataDir, DataDirInUse
 
 from .fake_engine import FakeEngine
 from .helpers import PARIS
@@ -63,3 +65,14 @@ def test_a_second_server_exits_before_loading_its_model(monkeypatch, capsys, dat
         f"(pid {os.getpid()}); stop it or choose another --data-dir\n"
     )
     DataDir(data_dir).close()  # free again once its holder let go
+
+
+def test_a_full_database_fails_a_transaction_with_its_own_error(tmp_path):
+    """SQLite rolls back by itself on SQLITE_FULL; the caller must see "full", not a failed ROLLBACK."""
+    db = Database(tmp_path / "db.sqlite3")
+    db.script("CREATE TABLE t (x TEXT)")
+    db.execute("PRAGMA max_page_count = 1")  # never below the current size: full as it is
+    with pytest.raises(sqlite3.OperationalError, match="^database or disk is full$"), db.transaction() as conn:
+        conn.execute("INSERT INTO t VALUES (?)", ("x" * 10_000,))
+    with db.transaction() as conn:  # the connection is usable again
+        assert conn.execute("SELECT COUNT(*) FROM t").fetchone() == (0,)
