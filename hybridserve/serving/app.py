@@ -34,7 +34,7 @@ from hybridserve.serving.openai.responses.protocol import ResponsesRequest
 from hybridserve.serving.openai.responses.store import ResponseStore, Retention
 from hybridserve.serving.parsers import Parsers
 from hybridserve.serving.postprocess import PostprocessPool
-from hybridserve.serving.storage import DATABASE_FILE, Database
+from hybridserve.serving.storage import Database, DataDir
 
 
 def version() -> str:
@@ -47,7 +47,7 @@ def version() -> str:
 def build_app(
     engine: ServingEngine,
     api_key: str | None,
-    data_dir: str | Path | None = None,
+    data_dir: str | Path | DataDir | None = None,
     retention: Retention | None = None,
     parsers: Parsers | None = None,
     postprocess: PostprocessPool | None = None,
@@ -57,6 +57,8 @@ def build_app(
     """An app serving `engine` (e.g. an AsyncLLM); with `api_key`, every /v1 route requires that Bearer token.
 
     Stored state (the response store) lives in one SQLite file under `data_dir`; None keeps it in memory.
+    The app holds `data_dir` (a path, or a DataDir the caller already holds) from here until it shuts down;
+    DataDirInUse if another server holds it.
     `retention` bounds the stored responses by count and age (default: Retention()). `parsers` reads
     reasoning and tool calls out of the output (default: what the model's chat template shows).
     `postprocess` (owned by the caller) takes the Responses API's text and event work off the event loop.
@@ -64,7 +66,8 @@ def build_app(
     `batch_settings` bounds the Files and Batch APIs (default: BatchSettings()); file bytes live under `data_dir`.
     """
     metrics = ServingMetrics(engine.model_name, engine.workers)
-    db = Database(":memory:" if data_dir is None else Path(data_dir) / DATABASE_FILE)
+    held = data_dir if isinstance(data_dir, DataDir) or data_dir is None else DataDir(data_dir)
+    db = Database(":memory:" if held is None else held.database_path)
     store = ResponseStore(db, retention)
     if extension is None:
         extension = extension_for(engine.model_type)
@@ -82,6 +85,8 @@ def build_app(
         await files_and_batches.stop()  # batches stay resumable
         await responses.background.shutdown()  # what still runs is stored as cancelled
         db.close()  # flushes the WAL into the database file
+        if held is not None:
+            held.close()
 
     app = FastAPI(title="hybridserve", version=version(), lifespan=lifespan)
     app.state.engine = engine
@@ -150,7 +155,12 @@ def build_app(
         return json_response(responses.input_items(response_id, limit, order, after))
 
     files_and_batches = add_files_and_batches(
-        app, db, data_dir, services.batch_endpoints(), metrics, batch_settings or BatchSettings()
+        app,
+        db,
+        None if held is None else held.path,
+        services.batch_endpoints(),
+        metrics,
+        batch_settings or BatchSettings(),
     )
     return app
 

@@ -240,7 +240,12 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from hybridserve.serving.app import build_app, default_parsers
     from hybridserve.serving.extensions import extension_for
     from hybridserve.serving.postprocess import PostprocessPool
+    from hybridserve.serving.storage import DataDir, DataDirInUse
 
+    try:
+        data_dir = DataDir(args.data_dir)  # before loading the model: a second server on it stops at once
+    except DataDirInUse as exc:
+        parser.exit(1, f"hybridserve serve: error: {exc}\n")
     fatal: list[str] = []  # why the engine cannot serve again, once it is known
     servers: list[ReadyServer] = []
 
@@ -262,6 +267,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             if pool is not None:
                 pool.shutdown()
             engine.shutdown()
+            data_dir.close()
 
     try:
         extension = extension_for(engine.model_type, extension_config)
@@ -269,9 +275,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         logger.info("output parsers: reasoning %s, tools %s", parsers.reasoning, parsers.tool)
         if args.num_postprocess_workers:
             pool = PostprocessPool(engine.hf_dir, args.num_postprocess_workers)
-        app = build_app(
-            engine, args.api_key, args.data_dir, retention, parsers, pool, extension, batch_settings=batches
-        )
+        app = build_app(engine, args.api_key, data_dir, retention, parsers, pool, extension, batch_settings=batches)
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         servers.append(ReadyServer(server_config, engine.model_name, stop))
         servers[0].run()

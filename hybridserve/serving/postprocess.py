@@ -32,9 +32,9 @@ from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
 from hybridserve.serving.openai.generation import RunAccounting, engine_failure, unavailable_error, usage_body
-from hybridserve.serving.openai.responses.events import ResponseFormatter
+from hybridserve.serving.openai.responses.events import ResponseFormatter, failure_events
 from hybridserve.serving.openai.responses.output import EventWriter
-from hybridserve.serving.openai.responses.protocol import failed_response
+from hybridserve.serving.openai.responses.protocol import cancelled_response, failed_response, usage
 from hybridserve.serving.openai.tools import ToolRequest, output_parser
 from hybridserve.serving.parsers import Parsers
 
@@ -81,6 +81,7 @@ class Processed(msgspec.Struct, frozen=True, array_like=True):
     finish_reason: str | None = None  # set once the sequence ended
     abort_engine: bool = False  # a stop string ended it: the engine request still runs
     final: dict[str, Any] | None = None  # the terminal Response object
+    terminal: bytes = b""  # with `final`, when streamed: its event, held until the frontend stored it
     error: str | None = None  # an engine failure, for a non-streamed request's error response
     error_status: int = 500  # 503 when the worker serving it went down
 
@@ -125,15 +126,18 @@ class _Job:
         if update.finish_reason in ("error", "abort"):
             error = engine_failure(update.finish_reason, update.error, update.unavailable)
             frames, final = self.formatter.fail(error, usage)
-            return Processed(
-                self.request_id, b"".join(frames), **counts, final=final, error=error.message, error_status=error.status
-            )
+            return _ended(self.request_id, frames, final, error=error.message, error_status=error.status, **counts)
         frames = self.formatter.feed(update)
-        final = None
-        if update.finish_reason is not None:
-            closing, final = self.formatter.finish(update.finish_reason, usage)
-            frames.extend(closing)
-        return Processed(self.request_id, b"".join(frames), **counts, final=final)
+        if update.finish_reason is None:
+            return Processed(self.request_id, b"".join(frames), **counts)
+        closing, final = self.formatter.finish(update.finish_reason, usage)
+        return _ended(self.request_id, frames + closing, final, **counts)
+
+
+def _ended(request_id: str, frames: list[bytes], final: dict[str, Any], **fields: Any) -> Processed:
+    """A response's last Processed: its frames, the terminal event (the last one, if streamed) apart."""
+    terminal = frames[-1] if frames else b""
+    return Processed(request_id, b"".join(frames[:-1]), final=final, terminal=terminal, **fields)
 
 
 def run_postprocess_worker(hf_dir: Path, in_addr: str, out_addr: str) -> None:
@@ -184,9 +188,7 @@ def _feed(job: _Job, output: EngineCoreOutput) -> Processed | None:
         logger.exception("post-processing failed for %s", job.request_id)
         error = APIError(500, f"Post-processing failed: {exc}", type=SERVER_ERROR)
         frames, final = job.formatter.fail(error, usage_body(job.prompt_tokens, 0, job.cached_tokens))
-        return Processed(
-            job.request_id, b"".join(frames), finish_reason="error", abort_engine=True, final=final, error=str(exc)
-        )
+        return _ended(job.request_id, frames, final, finish_reason="error", abort_engine=True, error=str(exc))
 
 
 class _Outbox:
@@ -309,7 +311,7 @@ class PooledResponseRun:
         metrics: ServingMetrics,
         arrival: float,
         job: ResponseJob,
-        finish: Callable[[dict], None],
+        finish: Callable[[dict[str, Any], list[bytes]], dict[str, Any]],
     ) -> None:
         self.engine = engine
         self.pool = pool
@@ -320,7 +322,8 @@ class PooledResponseRun:
 
     async def events(self, stream: bool) -> AsyncIterator[bytes]:
         """As ResponseRun.events: the frames (when `stream`), `final` set, `finish` called before the terminal
-        event. If the worker itself fails, the stream still ends with error → failed (numbered on)."""
+        event, on every way out. If the worker itself fails, the stream still ends with error → failed
+        (numbered on); a cancelled run is stored without the output so far, which only the worker had."""
         rid = self.job.request.request_id
         ticket: _Ticket | None = None
         ended = False
@@ -340,14 +343,16 @@ class PooledResponseRun:
                 if msg.final is not None:
                     ended = True
                     outcome = "error" if msg.error is not None else None
+                    reported = self._end(msg.final, [msg.frames, msg.terminal])
                     if msg.error is not None and not stream:
                         code = "engine_unavailable" if msg.error_status == 503 else None
                         raise APIError(msg.error_status, msg.error, type=SERVER_ERROR, code=code)
-                    self.final = msg.final
-                    self.finish(self.final)
                 if msg.frames:
                     sent += msg.frames.count(b"\n\n")
                     yield msg.frames
+                if msg.terminal:
+                    unstored = reported is not msg.final and reported["status"] == "failed"
+                    yield b"".join(failure_events(sent, reported)) if unstored else msg.terminal
         except RuntimeError as exc:
             outcome = "error"
             error = (
@@ -355,16 +360,28 @@ class PooledResponseRun:
                 if isinstance(exc, EngineUnavailable)
                 else APIError(500, str(exc), type=SERVER_ERROR)
             )
+            event = EventWriter(sent)
+            frames = [event("error", code=error.code or error.type, message=error.message, param=error.param)]
+            reported = self._end(failed_response(self.job.base, error, self.accounting.usage()), frames)
             if not stream:
                 raise error from None
-            event = EventWriter()
-            event.sequence_number = sent
-            self.final = failed_response(self.job.base, error, self.accounting.usage())
-            self.finish(self.final)
-            yield event("error", code=error.code or error.type, message=error.message, param=error.param)
-            yield event("response.failed", response=self.final)
+            yield frames[0]
+            yield event("response.failed", response=reported)
+        except (asyncio.CancelledError, GeneratorExit):
+            if self.final is None:
+                self._end(cancelled_response(self.job.base, [], usage(self.accounting.usage())), [])
+            raise
+        except Exception as exc:
+            if self.final is None:  # a bug: the response fails, loudly
+                error = APIError(500, f"The response failed: {exc}", type=SERVER_ERROR)
+                self._end(failed_response(self.job.base, error, self.accounting.usage()), [])
+            raise
         finally:
             self.engine.release([rid], abort=[] if ended else [rid])
             if ticket is not None:
                 self.pool.close(ticket, unfinished=not ended)
             self.accounting.close(outcome)
+
+    def _end(self, final: dict[str, Any], pending: list[bytes]) -> dict[str, Any]:
+        self.final = self.finish(final, pending)
+        return self.final

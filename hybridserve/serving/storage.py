@@ -4,11 +4,17 @@ One file (`hybridserve.sqlite3` under `--data-dir`) in WAL mode with synchronous
 a killed process (not a power loss) without an fsync per transaction. Calls are small and synchronous; a
 re-entrant lock serialises the connection for callers on other threads (batch validation runs on one), and
 `transaction()` nests, so a store can write its rows inside another store's transaction.
+
+A data directory belongs to one server at a time: `DataDir` holds an exclusive lock on it for the server's
+life, because a second server on the same directory would take the first one's running responses and
+batches for abandoned ones and recover them under it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -16,6 +22,44 @@ from pathlib import Path
 from typing import Any
 
 DATABASE_FILE = "hybridserve.sqlite3"
+LOCK_FILE = "hybridserve.lock"
+
+
+class DataDirInUse(RuntimeError):
+    """Another process (another server) holds the data directory's lock."""
+
+
+class DataDir:
+    """A data directory (created if missing) held by this process: an exclusive `flock` on its
+    `hybridserve.lock`, which names the holder's pid, taken here and held until `close()` or the process
+    ends (the kernel drops it then, so a killed server leaves no stale lock). Raises DataDirInUse, naming
+    the directory and the holder's pid, when another process holds it."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path / LOCK_FILE, "a+")  # noqa: SIM115 (held open for the server's life)
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "unknown"
+            self._file.close()
+            raise DataDirInUse(
+                f"the data directory {self.path} is in use by another hybridserve server (pid {holder}); "
+                "stop it or choose another --data-dir"
+            ) from None
+        self._file.truncate(0)
+        self._file.write(f"{os.getpid()}\n")
+        self._file.flush()
+
+    @property
+    def database_path(self) -> Path:
+        return self.path / DATABASE_FILE
+
+    def close(self) -> None:
+        """Releases the lock (again: nothing). The lock file stays: removing it would race a new holder."""
+        self._file.close()
 
 
 class Database:
@@ -55,7 +99,7 @@ class Database:
                 yield self._db
             except BaseException:
                 self._depth -= 1
-                if outermost:
+                if outermost and self._db.in_transaction:  # SQLite itself rolls back on a full disk
                     self._db.execute("ROLLBACK")
                 raise
             self._depth -= 1

@@ -308,3 +308,37 @@ def test_sigterm_stops_the_workers_and_removes_their_sockets(tmp_path):
         proc.wait(60)
     assert proc.returncode == -signal.SIGTERM  # uvicorn's shutdown re-raises the signal, after ours
     assert list(sockets.glob("hybridserve-*")) == []  # (torch keeps its own compile cache there)
+
+
+@pytest.mark.slow  # two server start-ups and a third that is refused before it loads a model
+def test_one_server_per_data_dir_and_a_killed_one_leaves_its_stream_failed(tmp_path):
+    """A second server on a running one's --data-dir exits 1 naming the directory and the holder; the first
+    goes on. Killed (SIGKILL) mid-stream, the first leaves the response it streamed failed, never missing."""
+    data = tmp_path / "data"  # what running_server passes for logs in tmp_path
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with running_server(tmp_path / "first.log") as (url, proc):
+        refused = subprocess.run(
+            [sys.executable, "-m", "hybridserve.serving.cli", "serve", "--data-dir", str(data)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert refused.returncode == 1, refused.stderr
+        assert refused.stderr.endswith(
+            f"hybridserve serve: error: the data directory {data} is in use by another hybridserve server "
+            f"(pid {proc.pid}); stop it or choose another --data-dir\n"
+        )
+        assert httpx.get(url + "/health").status_code == 200
+        body = {"model": "smollm2", "input": "Count from one to five hundred.", "max_output_tokens": 1500}
+        with httpx.stream("POST", url + "/v1/responses", json={**body, "stream": True}, headers=headers) as r:
+            created = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+    rid = created["response"]["id"]
+    with running_server(tmp_path / "second.log") as (url, _):
+        recovered = httpx.get(f"{url}/v1/responses/{rid}", headers=headers).json()
+    assert (recovered["status"], recovered["error"]) == (
+        "failed",
+        {"code": "server_error", "message": "The server stopped before this response finished."},
+    )

@@ -1,6 +1,8 @@
 """--num-postprocess-workers: Responses built in worker processes equal those built on the event loop."""
 
+import asyncio
 import re
+import shutil
 
 import pytest
 from fastapi.testclient import TestClient
@@ -10,9 +12,10 @@ from hybridserve.serving.parsers import Parsers
 from hybridserve.serving.postprocess import PostprocessPool
 
 from .fake_engine import FakeEngine
-from .helpers import PARIS
+from .helpers import PARIS, call_until_disconnect
 from .openapi_schema import check
-from .test_responses import ASK, events
+from .test_responses import ASK, TEXT, events
+from .test_responses_store import paused_post, small_pages
 from .test_tools import CALL, TOOLS, script
 
 IDS = re.compile(r"(resp|msg|rs|fc|call)_[0-9a-f]{32}")
@@ -120,3 +123,36 @@ def test_a_dead_worker_fails_only_its_own_responses(smollm2_dir):
         assert alive.results.empty() and list(pool._tickets) == ["resp_b"]
     finally:
         pool.shutdown()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_disk_that_fills_during_generation_answers_as_without_workers(tokenizer, pool, tmp_path, stream):
+    answers = []
+    for with_pool in (False, True):
+        engine = FakeEngine(tokenizer, [PARIS], max_model_len=1024)
+        engine.pause_at_step = 2
+        shutil.rmtree(tmp_path / "data", ignore_errors=True)  # the same path each time: the same error message
+        app = build_app(engine, None, small_pages(tmp_path / "data"), postprocess=pool if with_pool else None)
+        with TestClient(app) as client:
+            r, _ = paused_post(client, engine, app, {"input": ASK, "stream": stream})
+            answers.append(normalized(events(r.text) if stream else r.json()))
+    local, pooled = answers
+    assert pooled == local
+    final = pooled[-1]["response"] if stream else pooled
+    assert final["status"] == "failed" and final["output"][0]["content"][0]["text"] == TEXT
+
+
+def test_a_disconnect_stores_the_response_cancelled(tokenizer, pool):
+    engine = FakeEngine(tokenizer, [PARIS], max_model_len=1024)
+    engine.pause_at_step = 3
+    app = build_app(engine, None, postprocess=pool)
+
+    async def main():
+        return await call_until_disconnect(app, "/v1/responses", {"input": ASK, "stream": True}, engine.paused)
+
+    asyncio.run(main())
+    [(_, _, rid)] = engine.calls
+    stored = app.state.response_store.get(rid)
+    assert (stored["status"], stored["output"]) == ("cancelled", [])  # the output so far was the worker's
+    check(stored, "Response")
+    assert engine.aborted == [rid]

@@ -1,9 +1,11 @@
 """Background Responses: runs that outlive the request that started them, and their replayable events.
 
-A background response is stored as `queued` before the POST answers, then runs in a task of its own, so a
-client that goes away loses nothing. Its events are kept in memory while it runs (any number of followers
-read them live, from any `starting_after`) and written to the store with the terminal object, so
-`GET /v1/responses/{id}?stream=true` replays them after it ends, also after a restart.
+A background response is stored as `queued` before the POST answers, then runs in a task of its own (stored
+`in_progress` as it starts), so a client that goes away loses nothing. Its events are kept in memory while it
+runs (any number of followers read them live, from any `starting_after`) and written to the store with the
+terminal object, in one transaction, so `GET /v1/responses/{id}?stream=true` replays them after it ends,
+also after a restart. If that write fails, the response reads failed (see ResponseStore.finish) and its
+events are not replayed.
 
 Cancelling stops the engine work and stores the response as `cancelled`, with the output built so far.
 The event stream then ends without a terminal event: the API has none for a cancellation.
@@ -13,11 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 from collections.abc import AsyncIterator
 
-from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
 from hybridserve.serving.openai.responses.events import ResponseRun
-from hybridserve.serving.openai.responses.protocol import failed_response
 from hybridserve.serving.openai.responses.store import ResponseStore
 
 logger = logging.getLogger(__name__)
@@ -42,25 +43,31 @@ class BackgroundRuns:
         live.task = asyncio.create_task(self._run(live), name=f"background {response.base['id']}")
 
     async def _run(self, live: _Live) -> None:
-        response_id = live.response.base["id"]
+        run = live.response
+        response_id = run.base["id"]
+        events = run.events(stream=True, background=True)
         try:
-            async for frame in live.response.events(stream=True, background=True):
+            self.store.start(response_id)
+            async for frame in events:
                 async with live.changed:
                     live.frames.append(frame)
                     live.changed.notify_all()
-            self.store.put_events(response_id, live.frames)
-        except asyncio.CancelledError:
-            cancelled = live.response.cancelled()
-            self.store.replace(cancelled)
-            self.store.put_events(response_id, live.frames)
-        except Exception as exc:  # ResponseRun turns engine failures into events; anything else is a bug
+        except asyncio.CancelledError:  # cancel() or shutdown: the run stored itself as cancelled
+            pass
+        except sqlite3.Error as exc:  # its start could not be stored (a full disk): it does not run
+            logger.error("background response %s could not start: %s", response_id, exc)
+            run.fail(self.store.write_error(exc))
+        except Exception:  # ResponseRun turns engine failures into events and stores a bug as failed
             logger.exception("background response %s failed", response_id)
-            error = APIError(500, f"The response failed: {exc}", type=SERVER_ERROR)
-            self.store.replace(failed_response(live.response.base, error, live.response.run.usage()))
         finally:
+            await events.aclose()  # cancelled outside the run: closing it stores it as cancelled
             del self._live[response_id]
             async with live.changed:
                 live.changed.notify_all()
+
+    def sent(self, response_id: str) -> list[bytes]:
+        """The events a running response has sent so far."""
+        return list(self._live[response_id].frames)
 
     def is_live(self, response_id: str) -> bool:
         return response_id in self._live

@@ -1,7 +1,8 @@
 """One Response's generation: engine outputs → parsed pieces → output items, streamed as typed events or not.
 
 Streamed: created → in_progress → each item's events (see output.py) → completed | incomplete; an engine
-failure ends with error → failed. `ResponseFormatter` is the synchronous part (it also runs in
+failure ends with error → failed, and so does a response whose end could not be stored (a full disk),
+in place of its terminal event. `ResponseFormatter` is the synchronous part (it also runs in
 post-processing workers, see serving/postprocess.py); `ResponseRun` drives it from a GenerationRun on
 the event loop. The non-streamed path runs the same code without making events, so both build identical
 objects.
@@ -9,11 +10,12 @@ objects.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from hybridserve.engine.outputs import CompletionOutput
-from hybridserve.serving.openai.errors import APIError
+from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
 from hybridserve.serving.openai.generation import GenerationRun, logprobs_content
 from hybridserve.serving.openai.responses.output import EventWriter, OutputBuilder
 from hybridserve.serving.openai.responses.protocol import (
@@ -23,6 +25,17 @@ from hybridserve.serving.openai.responses.protocol import (
     usage,
 )
 from hybridserve.serving.parsers import Piece, StreamParser, Text, ToolCall
+
+
+def failure_events(sequence_number: int, response: dict[str, Any]) -> list[bytes]:
+    """The events that end a stream, numbered from `sequence_number`, when the store reports `response`
+    (failed: its end could not be stored) instead of the run's own terminal object: error, response.failed."""
+    event = EventWriter(sequence_number)
+    error = response["error"]
+    return [
+        event("error", code=error["code"], message=error["message"], param=None),
+        event("response.failed", response=response),
+    ]
 
 
 class ResponseFormatter:
@@ -83,6 +96,11 @@ class ResponseFormatter:
             frames.append(self.event(f"response.{status}", response=final))
         return frames, final
 
+    def failed_instead(self, response: dict[str, Any]) -> list[bytes]:
+        """The events that replace the terminal one (its number reused) when the store reports `response`,
+        failed, instead of the terminal object."""
+        return [] if self.event is None else failure_events(self.event.sequence_number - 1, response)
+
     def _add(self, piece: Piece) -> list[bytes]:
         """The piece's frames; a text piece carries the logprobs of the tokens behind it (a call's are dropped)."""
         logprobs = None
@@ -106,10 +124,20 @@ class ResponseFormatter:
 
 
 class ResponseRun:
-    """`finish` receives the terminal object (to store it) before its event is sent; `final` holds it after."""
+    """`finish(final, pending)` receives the terminal object and the frames still to send (its terminal event
+    last) to store them, and returns the state to report, which `final` holds after: the terminal object, or
+    a failed one if it could not be stored, whose error then ends the stream instead of the terminal event.
+
+    Every way out of `events` ends in `finish`: the run's end, an engine failure, being cancelled or closed
+    (a client disconnect, a background cancel: `cancelled`, with the output so far) and a bug (`failed`),
+    so a stored response is never left in progress."""
 
     def __init__(
-        self, run: GenerationRun, base: dict[str, Any], parser: StreamParser, finish: Callable[[dict], None]
+        self,
+        run: GenerationRun,
+        base: dict[str, Any],
+        parser: StreamParser,
+        finish: Callable[[dict[str, Any], list[bytes]], dict[str, Any]],
     ) -> None:
         self.run = run
         self.base = base
@@ -121,28 +149,45 @@ class ResponseRun:
     def cancelled(self) -> dict[str, Any]:
         return self.formatter.cancelled(self.run.usage())
 
+    def fail(self, error: APIError) -> None:
+        """Ends the run failed with `error`, without events (it did not run, or is being left)."""
+        self._end(failed_response(self.base, error, self.run.usage()), [])
+
     async def events(self, stream: bool, background: bool = False) -> AsyncIterator[bytes]:
         """The event stream (`stream`), or nothing but `final` set; a non-streamed failure raises APIError."""
         run = self.run
         logprobs = run.params[0].logprobs is not None
         fmt = self.formatter = ResponseFormatter(self.base, self.parser, stream, background, logprobs)
-        for frame in fmt.start():
-            yield frame
-        finish_reason = None
+        failure: APIError | None = None
         try:
-            async for _, out, finished in run.outputs():
-                for frame in fmt.feed(out):
-                    yield frame
-                if finished:
-                    finish_reason = out.finish_reason
-        except APIError as exc:
-            if not stream:
-                raise
-            frames, self.final = fmt.fail(exc, run.usage())
-        else:
-            frames, self.final = fmt.finish(finish_reason, run.usage())
-        for frame in frames[:-1]:
+            for frame in fmt.start():
+                yield frame
+            finish_reason = None
+            try:
+                async for _, out, finished in run.outputs():
+                    for frame in fmt.feed(out):
+                        yield frame
+                    if finished:
+                        finish_reason = out.finish_reason
+            except APIError as exc:
+                failure = exc
+                frames, final = fmt.fail(exc, run.usage())
+            else:
+                frames, final = fmt.finish(finish_reason, run.usage())
+        except (asyncio.CancelledError, GeneratorExit):
+            self._end(self.cancelled(), [])
+            raise
+        except Exception as exc:  # a bug: the response fails, loudly
+            self.fail(APIError(500, f"The response failed: {exc}", type=SERVER_ERROR))
+            raise
+        reported = self._end(final, frames)
+        if failure is not None and not stream:
+            raise failure
+        if frames and reported is not final and reported["status"] == "failed":
+            frames[-1:] = fmt.failed_instead(reported)
+        for frame in frames:
             yield frame
-        self.finish(self.final)
-        for frame in frames[-1:]:
-            yield frame
+
+    def _end(self, final: dict[str, Any], pending: list[bytes]) -> dict[str, Any]:
+        self.final = self.finish(final, pending)
+        return self.final

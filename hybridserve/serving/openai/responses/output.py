@@ -26,10 +26,10 @@ _encode = msgspec.json.Encoder().encode
 
 
 class EventWriter:
-    """Frames events as `event: <type>` / `data: <json>`, numbering them from 0."""
+    """Frames events as `event: <type>` / `data: <json>`, numbering them from `sequence_number`."""
 
-    def __init__(self) -> None:
-        self.sequence_number = 0
+    def __init__(self, sequence_number: int = 0) -> None:
+        self.sequence_number = sequence_number
 
     def __call__(self, type: str, **fields: Any) -> bytes:
         payload = {"type": type, **fields, "sequence_number": self.sequence_number}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sqlite3
 import time
 from typing import Any
 
@@ -100,18 +101,24 @@ class ResponsesService:
             renames=RENAMES,
         )
         response_id = new_id("resp")
-        run = GenerationRun(
-            self.engine, self.metrics, response_id, [prompt.ids], [params], arrival, request_priority(request)
-        )
         base = base_response(req, response_id, self.engine.model_name)
         if req.return_token_ids:
             base["prompt_token_ids"] = prompt.ids
+        if req.background:
+            base["status"] = "queued"
+        if req.store:  # from here on a retrieve finds it: in progress (queued), then as it ended
+            self._store_new(base, items, conversation)
+        run = GenerationRun(
+            self.engine, self.metrics, response_id, [prompt.ids], [params], arrival, request_priority(request)
+        )
 
-        def finish(response: dict[str, Any]) -> None:
+        def finish(response: dict[str, Any], pending: list[bytes]) -> dict[str, Any]:
             if req.return_token_ids:
                 response["output_token_ids"] = run.token_ids[0]
-            if req.store:
-                self.store.put(response, items, conversation)
+            if not req.store:
+                return response
+            events = self.background.sent(response_id) + pending if req.background else None
+            return self.store.finish(response, events)
 
         # Output ids are collected by the in-process run: return_token_ids stays off the post-processing pool.
         if self.postprocess is not None and not req.background and not req.return_token_ids:
@@ -124,8 +131,6 @@ class ResponsesService:
             return await cancel_on_disconnect(request, _complete(pooled))
         response = ResponseRun(run, base, output_parser(self.parsers, prompt.text, tools), finish)
         if req.background:
-            base["status"] = "queued"
-            self.store.put(base, items, conversation)
             self.background.start(response)
             if req.stream:  # a disconnect only stops following: the run goes on
                 return EventStreamResponse(self.background.events(response_id, -1))
@@ -133,6 +138,15 @@ class ResponsesService:
         if req.stream:
             return EventStreamResponse(response.events(stream=True))
         return await cancel_on_disconnect(request, _complete(response))
+
+    def _store_new(self, base: dict[str, Any], items: list[dict[str, Any]], conversation: list[dict[str, Any]]) -> None:
+        """Stores a response before it generates: if the store cannot take it (a full disk), the request
+        fails now (507) rather than after the whole generation ran."""
+        try:
+            self.store.put(base, items, conversation)
+        except sqlite3.Error as exc:
+            logger.error("response %s could not be stored, so it does not run: %s", base["id"], exc)
+            raise self.store.write_error(exc) from None
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
         check_response_id(response_id, "response_id")

@@ -7,6 +7,9 @@ message items). Input and output items are indexed by id for `item_reference` in
 Calls are synchronous and small (one indexed read, or one transaction of a few inserts, on the frontend's
 shared `Database`), so the service makes them on the event loop.
 
+A response is stored when it is created and updated when it ends (`finish`); a terminal state is never
+overwritten, and one whose write failed is held in memory (see `finish`).
+
 Retention (count and age) is enforced inside every put's transaction, oldest first by (created_at, seq),
 where seq is the insertion order; an evicted response is gone exactly as a deleted one is.
 """
@@ -14,6 +17,7 @@ where seq is the insertion order; an evicted response is gone exactly as a delet
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
 from collections.abc import Callable
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
 from hybridserve.serving.storage import Database
 
 SCHEMA = """
@@ -55,6 +60,9 @@ CREATE INDEX IF NOT EXISTS input_items_by_id ON response_input_items (item_id);
 CREATE INDEX IF NOT EXISTS output_items_by_id ON response_output_items (item_id);
 """
 DAY_S = 24 * 60 * 60
+logger = logging.getLogger(__name__)
+TERMINAL = ("completed", "failed", "cancelled", "incomplete")
+_UNENDED = "json_extract(response, '$.status') NOT IN (" + ", ".join(f"'{s}'" for s in TERMINAL) + ")"
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class ResponseStore:
         self.db.execute("CREATE INDEX IF NOT EXISTS responses_age ON responses (created_at, seq)")
         self.retention = retention or Retention()
         self.clock = clock
+        self._unwritten: dict[str, dict[str, Any]] = {}  # how responses ended whose end could not be stored
 
     def close(self) -> None:
         self.db.close()
@@ -111,21 +120,66 @@ class ResponseStore:
             db.executemany("INSERT INTO response_output_items VALUES (?, ?, ?, ?)", outputs)
             self._evict(db, response["id"])
 
-    def replace(self, response: dict[str, Any]) -> None:
-        """A new state of a stored response (its input and conversation stay)."""
-        outputs = [(response["id"], i, item["id"], json.dumps(item)) for i, item in enumerate(response["output"])]
-        with self.db.transaction() as db:
-            db.execute("UPDATE responses SET response = ? WHERE id = ?", (json.dumps(response), response["id"]))
-            db.execute("DELETE FROM response_output_items WHERE response_id = ?", (response["id"],))
-            db.executemany("INSERT INTO response_output_items VALUES (?, ?, ?, ?)", outputs)
+    def start(self, response_id: str) -> None:
+        """A queued response (background) began generating: it reads in_progress from now on."""
+        self.db.execute(
+            "UPDATE responses SET response = json_set(response, '$.status', 'in_progress') "
+            "WHERE id = ? AND json_extract(response, '$.status') = 'queued'",
+            response_id,
+        )
 
-    def put_events(self, response_id: str, frames: list[bytes]) -> None:
-        """A background response's stream, frame i being sequence number i (nothing if it was evicted)."""
-        rows = [(response_id, i, frame) for i, frame in enumerate(frames)]
+    def update(self, response: dict[str, Any], events: list[bytes] | None = None) -> bool:
+        """A new state of a stored response (its input and conversation stay) and, if given, its events (frame
+        i being sequence number i), in one transaction, unless the stored state is terminal: a completed,
+        failed, cancelled or incomplete response is never overwritten. Whether it was written (False also when
+        the response is gone)."""
+        response_id = response["id"]
+        outputs = [(response_id, i, item["id"], json.dumps(item)) for i, item in enumerate(response["output"])]
         with self.db.transaction() as db:
-            if db.execute("SELECT 1 FROM responses WHERE id = ?", (response_id,)).fetchone():
+            written = db.execute(
+                f"UPDATE responses SET response = ? WHERE id = ? AND {_UNENDED}", (json.dumps(response), response_id)
+            ).rowcount
+            if written:
+                db.execute("DELETE FROM response_output_items WHERE response_id = ?", (response_id,))
+                db.executemany("INSERT INTO response_output_items VALUES (?, ?, ?, ?)", outputs)
+            if written and events is not None:
                 db.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
+                rows = [(response_id, i, frame) for i, frame in enumerate(events)]
                 db.executemany("INSERT INTO response_events VALUES (?, ?, ?)", rows)
+        return bool(written)
+
+    def finish(self, response: dict[str, Any], events: list[bytes] | None = None) -> dict[str, Any]:
+        """Stores how a response ended (`update`) and returns the state the store reports from now on, which
+        is the one its client must be told: `response`; the stored state if that was already terminal; or,
+        when the write fails (a full disk), `response` as failed, naming the error, with its output. That one
+        is kept in memory and reported until the server stops (the next start's recovery marks the row
+        failed), so a failed write never raises here and never leaves a response in progress."""
+        response_id = response["id"]
+        try:
+            if self.update(response, events):
+                return response
+        except sqlite3.Error as exc:
+            logger.error("response %s ended %s but could not be stored: %s", response_id, response["status"], exc)
+            failed = response
+            if response["status"] != "failed":
+                error = {"code": "server_error", "message": self.write_error(exc).message}
+                failed = {**response, "status": "failed", "completed_at": None, "incomplete_details": None}
+                failed["error"] = error
+            self._unwritten[response_id] = failed
+            return failed
+        stored = self.get(response_id)
+        if stored is None:  # deleted while it ran
+            return response
+        logger.warning(
+            "response %s ended %s, but its stored state %s is final", response_id, response["status"], stored["status"]
+        )
+        return stored
+
+    def write_error(self, exc: sqlite3.Error) -> APIError:
+        """What a client is told when a response could not be stored: 507 when the disk (or the database) is
+        full, 500 for any other failed write."""
+        status = 507 if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL else 500
+        return APIError(status, f"The response could not be stored in {self.db.path}: {exc}.", type=SERVER_ERROR)
 
     def events(self, response_id: str) -> list[bytes]:
         rows = self.db.all(
@@ -142,7 +196,7 @@ class ResponseStore:
         for (text,) in rows:
             response = json.loads(text)
             response.update(status="failed", error={"code": "server_error", "message": message})
-            self.replace(response)
+            self.update(response)
             failed.append(response["id"])
         return failed
 
@@ -164,7 +218,10 @@ class ResponseStore:
 
     def get(self, response_id: str) -> dict[str, Any] | None:
         row = self._one("SELECT response FROM responses WHERE id = ?", response_id)
-        return None if row is None else json.loads(row[0])
+        if row is None:
+            return None
+        unwritten = self._unwritten.get(response_id)
+        return json.loads(row[0]) if unwritten is None else unwritten
 
     def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
         """The items that preceded this response's output (without its instructions)."""
@@ -182,6 +239,7 @@ class ResponseStore:
         return None if row is None else json.loads(row[0])
 
     def delete(self, response_id: str) -> bool:
+        self._unwritten.pop(response_id, None)
         return self.db.execute("DELETE FROM responses WHERE id = ?", response_id).rowcount > 0
 
     def input_items(
