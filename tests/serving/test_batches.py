@@ -200,7 +200,8 @@ def test_validation_errors_name_each_line(app_client):
             {
                 "code": "invalid_request",
                 "line": 6,
-                "message": "Line 6: invalid body: Invalid value for 'messages': Input should be a valid list.",
+                "message": "Line 6: invalid body: Invalid value for 'messages': Input should be a valid list, got "
+                '"hello".',
                 "param": "body.messages",
             },
             {

@@ -2,7 +2,9 @@
 
 Responses are plain dicts built where they are sent (see chat.py, completions.py): the streaming path
 encodes one small dict per chunk, and tests check the shapes against OpenAI's published schemas.
-Unknown request fields are ignored, as OpenAI clients send extras.
+Unknown request fields are ignored, as OpenAI clients send extras. Known fields take JSON's own types
+(strict): `"stream": "yes"` is no boolean, `"temperature": false` no number, `"n": "2"` no integer; and
+numbers must be finite (`Infinity`, `NaN` and overflowing literals such as `1e999` are refused).
 """
 
 from __future__ import annotations
@@ -15,11 +17,17 @@ from hybridserve.sampling_params import InvalidParameter, SamplingParams
 from hybridserve.serving.openai.errors import APIError, invalid_parameter
 
 
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """A request body's model (or a part of one): strict JSON types, finite numbers."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestModel):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
@@ -81,13 +89,13 @@ class SamplingRequest(BaseModel):
             raise invalid_parameter(exc, renames) from None
 
 
-class ContentPart(BaseModel):
+class ContentPart(RequestModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, ... reach the template as given
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None

@@ -7,9 +7,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel
-
 from hybridserve.serving.openai.errors import APIError
+from hybridserve.serving.openai.protocol import RequestModel
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
@@ -39,8 +38,9 @@ def response_not_found(response_id: str, param: str | None = None) -> APIError:
     return APIError(404, f"Response with id '{response_id}' not found.", param=param, code="not_found")
 
 
-class ResponsesRequest(BaseModel):
-    """The fields this server reads; unknown fields are ignored, as OpenAI clients send extras."""
+class ResponsesRequest(RequestModel):
+    """The fields this server reads, strict as Chat's (see openai/protocol.py); unknown fields are ignored, as
+    OpenAI clients send extras."""
 
     input: str | list[dict[str, Any]]
     model: str | None = None
