@@ -1,9 +1,11 @@
-"""What requests may ask for (issue 14, item 7): OpenAI's ranges for n and the sampling numbers, finite numbers
-and JSON's own types, on every endpoint."""
+"""What requests may ask for (issue 14, item 7): OpenAI's ranges for n and the sampling numbers, finite numbers,
+JSON's own types, valid function schemas and known tool types, on every endpoint."""
 
 import json
 
 import pytest
+
+from hybridserve.serving.openai.tools import CHAT_TOOL_TYPES, RESPONSES_TOOL_TYPES
 
 from .helpers import QUESTION, assert_error
 
@@ -14,6 +16,7 @@ ENDPOINTS = {
     "/v1/responses": {"input": "hi"},
 }
 SAMPLING = [CHAT, "/v1/completions"]  # n and the penalties; Responses takes temperature and top_p only
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
 
 def raw_post(client, path: str, body: str):
@@ -96,3 +99,87 @@ def test_json_types_are_taken_as_sent(client, engine, path, fields, message, par
     r = client.post(path, json={**ENDPOINTS[path], **fields})
     assert_error(r, 400, f"Invalid value for '{param}': {message}.", param, "invalid_type")
     assert engine.calls == []
+
+
+def chat_tool(parameters):
+    return {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+
+
+def responses_tool(parameters):
+    return {"type": "function", "name": "get_weather", "parameters": parameters}
+
+
+@pytest.mark.parametrize(
+    ("parameters", "problem"),
+    [
+        (
+            {"type": "object", "properties": {"city": {"type": "strin"}}},
+            "In context=('properties', 'city', 'type'), 'strin' is not valid under any of the given schemas.",
+        ),
+        ({"type": "object", "required": "city"}, "In context=('required',), 'city' is not of type 'array'."),
+        (
+            {"type": "object", "properties": {"city": {"type": "string", "pattern": "("}}},
+            "In context=('properties', 'city', 'pattern'), '(' is not a 'regex'.",
+        ),
+    ],
+)
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none"])
+def test_function_schemas_are_checked_unforced_too(client, engine, parameters, problem, tool_choice):
+    message = f"Invalid schema for function 'get_weather': {problem}"
+    r = client.post(CHAT, json={"messages": QUESTION, "tools": [chat_tool(parameters)], "tool_choice": tool_choice})
+    assert_error(r, 400, message, "tools[0].function.parameters", "invalid_function_parameters")
+    r = client.post(
+        "/v1/responses", json={"input": "hi", "tools": [responses_tool(parameters)], "tool_choice": tool_choice}
+    )
+    assert_error(r, 400, message, "tools[0].parameters", "invalid_function_parameters")
+    assert engine.calls == []
+
+
+def test_valid_function_schemas_are_served(client, engine):
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", **WEATHER}
+    for parameters in (WEATHER, draft7, {}):
+        assert client.post(CHAT, json={"messages": QUESTION, "tools": [chat_tool(parameters)]}).status_code == 200
+        assert (
+            client.post("/v1/responses", json={"input": "hi", "tools": [responses_tool(parameters)]}).status_code == 200
+        )
+    assert len(engine.calls) == 6
+
+
+def supported(types) -> str:
+    return ", ".join(repr(t) for t in types)
+
+
+@pytest.mark.parametrize(
+    ("path", "tool", "message", "code"),
+    [
+        (
+            CHAT,
+            {"type": "web_search"},
+            f"Invalid value for 'tools[0].type': 'web_search'. Supported values are: {supported(CHAT_TOOL_TYPES)}.",
+            "invalid_value",
+        ),
+        (
+            CHAT,
+            {"function": {"name": "get_weather", "parameters": WEATHER}},
+            "Missing required parameter: 'tools[0].type'.",
+            "missing_required_parameter",
+        ),
+        (
+            "/v1/responses",
+            {"type": "fucntion", "name": "get_weather"},
+            f"Invalid value for 'tools[0].type': 'fucntion'. Supported values are: {supported(RESPONSES_TOOL_TYPES)}.",
+            "invalid_value",
+        ),
+    ],
+)
+def test_unknown_tool_types_are_400(client, engine, path, tool, message, code):
+    r = client.post(path, json={**ENDPOINTS[path], "tools": [tool]})
+    assert_error(r, 400, message, "tools[0].type", code)
+    assert engine.calls == []
+
+
+def test_other_openai_tool_types_are_ignored_on_chat_too(client, engine):
+    custom = {"type": "custom", "custom": {"name": "apply_patch", "description": "Edits files."}}
+    r = client.post(CHAT, json={"messages": QUESTION, "tools": [custom]})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
