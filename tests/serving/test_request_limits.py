@@ -1,10 +1,12 @@
 """What requests may ask for (issue 14, item 7): OpenAI's ranges for n and the sampling numbers, finite numbers,
-JSON's own types, valid function schemas and known tool types, on every endpoint."""
+JSON's own types, valid function schemas, and known tool types and `include` values, on every endpoint."""
 
 import json
+from typing import get_args
 
 import pytest
 
+from hybridserve.serving.openai.responses.protocol import Includable
 from hybridserve.serving.openai.tools import CHAT_TOOL_TYPES, RESPONSES_TOOL_TYPES
 
 from .helpers import QUESTION, assert_error
@@ -183,3 +185,17 @@ def test_other_openai_tool_types_are_ignored_on_chat_too(client, engine):
     r = client.post(CHAT, json={"messages": QUESTION, "tools": [custom]})
     assert r.status_code == 200
     assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+
+
+def test_include_values(client, engine):
+    known = ["reasoning.encrypted_content", "web_search_call.results", "message.output_text.logprobs"]
+    body = client.post("/v1/responses", json={"input": "hi", "include": known, "max_output_tokens": 1}).json()
+    assert engine.calls[0][1].logprobs == 0
+    assert body["output"][0]["content"][0]["logprobs"]
+    r = client.post("/v1/responses", json={"input": "hi", "include": ["reasoning.encrypted_content", "everything"]})
+    values = [repr(v) for v in get_args(Includable)]
+    expected = "Input should be " + ", ".join(values[:-1]) + f" or {values[-1]}"
+    assert_error(
+        r, 400, f"Invalid value for 'include[1]': {expected}, got \"everything\".", "include[1]", "invalid_value"
+    )
+    assert len(engine.calls) == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from hybridserve.serving.openai.errors import APIError
 from hybridserve.serving.openai.protocol import RequestModel
@@ -14,6 +14,19 @@ ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
 RESPONSE_ID_PREFIX = "resp_"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# OpenAI's `include` values. Only the logprobs one adds anything here; the others are accepted and add nothing:
+# they ask for the output of built-in tools this server does not run, image inputs it does not take, or
+# encrypted reasoning (its reasoning items are plain text). Any other value is a 400 naming it.
+Includable = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
 
 
 def new_id(prefix: str) -> str:
@@ -59,7 +72,7 @@ class ResponsesRequest(RequestModel):
     parallel_tool_calls: bool | None = None
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
-    include: list[str] | None = None
+    include: list[Includable] | None = None
     truncation: str | None = None
     prompt_cache_key: str | None = None
     background: bool | None = None
