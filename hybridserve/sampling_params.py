@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # Numbers below this are treated as zero temperature (greedy), as vLLM does.
 GREEDY_EPSILON = 1e-5
@@ -126,6 +126,30 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request samples with where it leaves these fields out: OpenAI's neutral values, or those the
+    model recommends (its generation_config.json, which AsyncLLM reads). Checked as SamplingParams checks them."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            integer = f.name == "top_k"
+            ok = isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
+            _check(ok, f.name, value, "must be an integer" if integer else "must be a number")
+        SamplingParams(**self.changed())
+
+    def changed(self) -> dict[str, float | int]:
+        """The fields that differ from OpenAI's neutral values."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
 
 
 class InvalidParameter(ValueError):

@@ -55,7 +55,9 @@ class ChatService:
         tools = required_by(tools, self.extension.required_tool_choice_mode())
         max_param = req.max_tokens_param
         renames = {"max_tokens": max_param, "logprobs": "top_logprobs"}
-        params = req.sampling_params(req.num_logprobs(), req.requested_max_tokens, renames, self.vocab_size)
+        params = req.sampling_params(
+            req.num_logprobs(), req.requested_max_tokens, renames, self.vocab_size, self.engine.sampling_defaults
+        )
         if self.extension.keeps_special_tokens and req.skip_special_tokens is None:
             params = dataclasses.replace(params, skip_special_tokens=False)
         constraint = structured_output(req.response_format, tools, param="response_format", nested=True)

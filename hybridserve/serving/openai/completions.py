@@ -63,7 +63,7 @@ class CompletionService:
         check_model(self.engine, req.model)
         req.check_stream_options()
         req.check_supported()
-        base = req.sampling_params(req.logprobs, req.max_tokens, {}, self.vocab_size)
+        base = req.sampling_params(req.logprobs, req.max_tokens, {}, self.vocab_size, self.engine.sampling_defaults)
         prompts = self.tokenize(req.prompt)
         max_len = self.engine.max_model_len
         params = [fit_to_context(base, len(p), max_len, what="prompt", max_tokens_param="max_tokens") for p in prompts]

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from hybridserve.sampling_params import InvalidParameter, SamplingParams
+from hybridserve.sampling_params import InvalidParameter, SamplingDefaults, SamplingParams
 from hybridserve.serving.openai.errors import APIError, invalid_parameter
 
 
@@ -61,20 +61,26 @@ class SamplingRequest(RequestModel):
             raise APIError(400, "stream_options is only allowed when stream is true.", param="stream_options")
 
     def sampling_params(
-        self, logprobs: int | None, max_tokens: int | None, renames: dict[str, str], vocab_size: int
+        self,
+        logprobs: int | None,
+        max_tokens: int | None,
+        renames: dict[str, str],
+        vocab_size: int,
+        defaults: SamplingDefaults,
     ) -> SamplingParams:
-        """Validated SamplingParams; an out-of-range value is a 400 naming the request's field."""
+        """Validated SamplingParams, `defaults` where the request leaves a field out; an out-of-range value is a
+        400 naming the request's field."""
         try:
             return SamplingParams(
                 n=_default(self.n, 1),
-                temperature=_default(self.temperature, 1.0),
-                top_p=_default(self.top_p, 1.0),
-                top_k=_default(self.top_k, 0),
-                min_p=_default(self.min_p, 0.0),
+                temperature=_default(self.temperature, defaults.temperature),
+                top_p=_default(self.top_p, defaults.top_p),
+                top_k=_default(self.top_k, defaults.top_k),
+                min_p=_default(self.min_p, defaults.min_p),
                 seed=self.seed,
                 presence_penalty=_default(self.presence_penalty, 0.0),
                 frequency_penalty=_default(self.frequency_penalty, 0.0),
-                repetition_penalty=_default(self.repetition_penalty, 1.0),
+                repetition_penalty=_default(self.repetition_penalty, defaults.repetition_penalty),
                 logit_bias=_logit_bias(self.logit_bias, vocab_size),
                 logprobs=logprobs,
                 max_tokens=max_tokens,

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
+from hybridserve.sampling_params import SamplingParams
 from hybridserve.serving.openai.errors import APIError
 from hybridserve.serving.openai.protocol import RequestModel
 
@@ -219,8 +220,9 @@ def usage(chat_usage: dict[str, Any], reasoning_tokens: int = 0) -> dict[str, An
     }
 
 
-def base_response(req: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:
-    """The response object before any output: status in_progress, every field the schema wants present.
+def base_response(req: ResponsesRequest, response_id: str, model: str, params: SamplingParams) -> dict[str, Any]:
+    """The response object before any output: status in_progress, every field the schema wants present;
+    temperature and top_p as sampled (`params`: the request's, else the model's defaults).
 
     `usage` is added once known (the schema does not allow it to be null)."""
     body: dict[str, Any] = {
@@ -239,11 +241,11 @@ def base_response(req: ResponsesRequest, response_id: str, model: str) -> dict[s
         "previous_response_id": req.previous_response_id,
         "reasoning": req.reasoning,
         "store": bool(req.store),
-        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "temperature": params.temperature,
         "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "tool_choice": "auto" if req.tool_choice is None else req.tool_choice,
         "tools": [_echo_tool(tool) for tool in req.tools or []],
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_p": params.top_p,
         "top_logprobs": req.top_logprobs or 0,
         "truncation": req.truncation or "disabled",
         "metadata": req.metadata or {},

@@ -83,7 +83,9 @@ class ResponsesService:
         sampling = SamplingRequest(
             temperature=req.temperature, top_p=req.top_p, user=req.user, skip_special_tokens=skip_special
         )
-        params = sampling.sampling_params(req.num_logprobs(), req.max_output_tokens, RENAMES, self.vocab_size)
+        params = sampling.sampling_params(
+            req.num_logprobs(), req.max_output_tokens, RENAMES, self.vocab_size, self.engine.sampling_defaults
+        )
         constraint = structured_output((req.text or {}).get("format"), tools, param="text.format", nested=False)
         if not tools.forced:
             constraint = self.extension.structured_output(constraint, kwargs)
@@ -103,7 +105,7 @@ class ResponsesService:
         run = GenerationRun(
             self.engine, self.metrics, response_id, [prompt.ids], [params], arrival, request_priority(request)
         )
-        base = base_response(req, response_id, self.engine.model_name)
+        base = base_response(req, response_id, self.engine.model_name, params)
         if req.return_token_ids:
             base["prompt_token_ids"] = prompt.ids
 
