@@ -17,6 +17,7 @@ import uvicorn
 from hybridserve.config import EngineConfig, ExtensionConfig, parse_bytes
 from hybridserve.sampling_params import InvalidParameter
 from hybridserve.serving.openai.batches.runner import BatchSettings
+from hybridserve.serving.openai.body import DEFAULT_MAX_BODY_BYTES
 from hybridserve.serving.openai.responses.store import Retention
 from hybridserve.serving.parsers.reasoning import REASONING_PARSERS
 from hybridserve.serving.parsers.tools import TOOL_PARSERS
@@ -91,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=None,
         help="require this key as 'Authorization: Bearer <key>' on /v1 routes; None: no key",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=_flag_type(parse_bytes),
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest JSON request body (bytes, or with a unit such as 16MiB); a larger one gets a 413 as soon as it "
+        "passes the limit, or at once when its Content-Length says so (/v1/files uploads: --max-upload-bytes)",
     )
     serve.add_argument(
         "--data-dir",
@@ -218,6 +226,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         extension_config = config_from(ExtensionConfig, args)
     except InvalidParameter as exc:
         parser.error(f"--{exc.param.replace('_', '-')}: {exc}")
+    if args.max_request_body_bytes < 1:
+        parser.error(f"--max-request-body-bytes: must be at least 1, got {args.max_request_body_bytes}")
     if args.num_postprocess_workers < 0:
         parser.error(f"--num-postprocess-workers: must be at least 0, got {args.num_postprocess_workers}")
     for flag in ("response_store_max_count", "response_store_max_age"):
@@ -250,7 +260,15 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if args.num_postprocess_workers:
             pool = PostprocessPool(engine.hf_dir, args.num_postprocess_workers)
         app = build_app(
-            engine, args.api_key, args.data_dir, retention, parsers, pool, extension, batch_settings=batches
+            engine,
+            args.api_key,
+            args.data_dir,
+            retention,
+            parsers,
+            pool,
+            extension,
+            batch_settings=batches,
+            max_body_bytes=args.max_request_body_bytes,
         )
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         ReadyServer(server_config, engine.model_name, stop).run()

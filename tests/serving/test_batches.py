@@ -493,7 +493,7 @@ def test_cli_flags_reach_the_batch_settings(monkeypatch, tokenizer, capsys):
         def from_config(cls, config):
             return FakeEngine(tokenizer, [PARIS])
 
-    def fake_build_app(*args, batch_settings):
+    def fake_build_app(*args, batch_settings, max_body_bytes):
         seen["settings"] = batch_settings
         raise SystemExit(0)
 

@@ -195,7 +195,7 @@ def test_serve_hands_the_extension_its_config(monkeypatch, tokenizer):
         def from_config(cls, config):
             return engine
 
-    def build_app(engine, api_key, data_dir, retention, parsers, pool, extension, batch_settings):
+    def build_app(engine, api_key, data_dir, retention, parsers, pool, extension, batch_settings, max_body_bytes):
         seen["extension"] = extension
         return object()  # never served: ReadyServer.run is stubbed
 

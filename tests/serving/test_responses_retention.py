@@ -152,7 +152,7 @@ def test_cli_flags_reach_the_store(monkeypatch, tokenizer):
         def from_config(cls, config):
             return FakeEngine(tokenizer, [PARIS])
 
-    def fake_build_app(engine, api_key, data_dir, retention, parsers, postprocess, extension, batch_settings):
+    def fake_build_app(engine, api_key, data_dir, retention, parsers, postprocess, extension, batch_settings, **_):
         seen["retention"], seen["parsers"] = retention, parsers
         raise SystemExit(0)
 
