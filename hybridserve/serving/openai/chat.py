@@ -27,6 +27,7 @@ from hybridserve.serving.openai.generation import (
     stream_frame,
 )
 from hybridserve.serving.openai.models import check_model
+from hybridserve.serving.openai.prompt import tokenized
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
 from hybridserve.serving.openai.structured import structured_output
@@ -64,7 +65,8 @@ class ChatService:
         if not tools.forced:
             constraint = self.extension.structured_output(constraint, req.chat_template_kwargs or {})
         params = dataclasses.replace(params, structured_output=constraint)
-        prompt = self.renderer.render(req.template_messages(), tools.template_tools(), req.chat_template_kwargs)
+        text = self.renderer.render(req.template_messages(), tools.template_tools(), req.chat_template_kwargs)
+        prompt = await tokenized(self.engine.tokenizer, text)
         params = fit_to_context(
             params,
             len(prompt.ids),

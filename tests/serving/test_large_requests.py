@@ -1,12 +1,15 @@
-"""A bounded request body (issue 14, item 6): past --max-request-body-bytes a JSON body is a 413, answered as soon as
-it passes the limit (at once when its Content-Length says so), while /v1/files keeps its own --max-upload-bytes."""
+"""Large requests (issue 14, item 6): past --max-request-body-bytes a JSON body is a 413, answered as soon as it
+passes the limit (at once when its Content-Length says so), while /v1/files keeps its own --max-upload-bytes; and
+a large request below the limit does not hold up the others while its prompt is tokenized."""
 
 import asyncio
 import json
 import socket
 import sys
+import threading
 import types
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -14,6 +17,7 @@ from hybridserve.serving import cli
 from hybridserve.serving.app import build_app
 from hybridserve.serving.openai.batches.runner import BatchSettings
 from hybridserve.serving.openai.body import DEFAULT_MAX_BODY_BYTES, OFF_LOOP_BYTES
+from hybridserve.serving.openai.prompt import OFF_LOOP_SIZE
 
 from .fake_engine import FakeEngine
 from .helpers import PARIS, QUESTION, assert_error, error_body, serve_in_thread
@@ -158,3 +162,46 @@ def test_max_request_body_bytes_flag(monkeypatch, tokenizer, capsys):
         cli.main(["serve", "--max-request-body-bytes", "0"])
     assert exit_info.value.code == 2
     assert "--max-request-body-bytes: must be at least 1, got 0" in capsys.readouterr().err
+
+
+LONG = "word " * 4000  # 20,000 characters: tokenized on a worker thread
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 1}),
+        ("/v1/completions", {"prompt": LONG, "max_tokens": 1}),
+        ("/v1/responses", {"input": LONG, "max_output_tokens": 1}),
+    ],
+)
+def test_tokenizing_a_long_prompt_does_not_hold_up_other_requests(tokenizer, monkeypatch, path, body):
+    """The long prompt's tokenizing waits until /health has answered; on the event loop it would wait in vain
+    (nothing else could run), and the test would release it only after its 5 s wait ran out."""
+    assert len(LONG) > OFF_LOOP_SIZE
+    engine = FakeEngine(tokenizer, [PARIS], max_model_len=10_000)
+    started, health_answered = threading.Event(), threading.Event()
+    waited_in_vain = []
+    encode = tokenizer.encode
+
+    def slow_encode(text, **kwargs):
+        if len(text) > OFF_LOOP_SIZE:
+            started.set()
+            waited_in_vain.append(not health_answered.wait(5))
+        return encode(text, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        transport = httpx.ASGITransport(build_app(engine, None))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+            large = asyncio.create_task(client.post(path, json=body))
+            await asyncio.to_thread(started.wait, 5)
+            health = await client.get("/health")
+            health_answered.set()
+            return health, await large
+
+    health, large = asyncio.run(scenario())
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    assert large.status_code == 200
+    assert waited_in_vain == [False]
