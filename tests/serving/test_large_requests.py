@@ -1,6 +1,7 @@
 """Large requests (issue 14, item 6): past --max-request-body-bytes a JSON body is a 413, answered as soon as it
 passes the limit (at once when its Content-Length says so), while /v1/files keeps its own --max-upload-bytes; and
-a large request below the limit does not hold up the others while its prompt is tokenized."""
+a large request below the limit does not hold up the others while its prompt is tokenized or its tool schemas
+checked."""
 
 import asyncio
 import json
@@ -15,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from hybridserve.serving import cli
 from hybridserve.serving.app import build_app
+from hybridserve.serving.openai import tools
 from hybridserve.serving.openai.batches.runner import BatchSettings
 from hybridserve.serving.openai.body import DEFAULT_MAX_BODY_BYTES, OFF_LOOP_BYTES
 from hybridserve.serving.openai.prompt import OFF_LOOP_SIZE
@@ -167,6 +169,36 @@ def test_max_request_body_bytes_flag(monkeypatch, tokenizer, capsys):
 LONG = "word " * 4000  # 20,000 characters: tokenized on a worker thread
 
 
+class Gate:
+    """Holds the work that calls `wait()` until /health has answered. Work on the event loop would wait in vain
+    (nothing else could run there, /health included) until its 5 s ran out."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+        self.health_answered = threading.Event()
+        self.waited_in_vain: list[bool] = []
+
+    def wait(self) -> None:
+        self.reached.set()
+        self.waited_in_vain.append(not self.health_answered.wait(5))
+
+    def run(self, app, path: str, body: dict) -> tuple[httpx.Response, httpx.Response]:
+        """POSTs `body`, asks /health once the gated work has begun, then lets the work go on."""
+
+        async def scenario() -> tuple[httpx.Response, httpx.Response]:
+            transport = httpx.ASGITransport(app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+                large = asyncio.create_task(client.post(path, json=body))
+                await asyncio.to_thread(self.reached.wait, 5)
+                health = await client.get("/health")
+                self.health_answered.set()
+                return health, await large
+
+        health, large = asyncio.run(scenario())
+        assert (health.status_code, health.json()) == (200, {"status": "ok"})
+        return health, large
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [
@@ -176,32 +208,43 @@ LONG = "word " * 4000  # 20,000 characters: tokenized on a worker thread
     ],
 )
 def test_tokenizing_a_long_prompt_does_not_hold_up_other_requests(tokenizer, monkeypatch, path, body):
-    """The long prompt's tokenizing waits until /health has answered; on the event loop it would wait in vain
-    (nothing else could run), and the test would release it only after its 5 s wait ran out."""
     assert len(LONG) > OFF_LOOP_SIZE
-    engine = FakeEngine(tokenizer, [PARIS], max_model_len=10_000)
-    started, health_answered = threading.Event(), threading.Event()
-    waited_in_vain = []
+    gate = Gate()
     encode = tokenizer.encode
 
     def slow_encode(text, **kwargs):
         if len(text) > OFF_LOOP_SIZE:
-            started.set()
-            waited_in_vain.append(not health_answered.wait(5))
+            gate.wait()
         return encode(text, **kwargs)
 
     monkeypatch.setattr(tokenizer, "encode", slow_encode)
-
-    async def scenario() -> tuple[httpx.Response, httpx.Response]:
-        transport = httpx.ASGITransport(build_app(engine, None))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
-            large = asyncio.create_task(client.post(path, json=body))
-            await asyncio.to_thread(started.wait, 5)
-            health = await client.get("/health")
-            health_answered.set()
-            return health, await large
-
-    health, large = asyncio.run(scenario())
-    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    _, large = gate.run(build_app(FakeEngine(tokenizer, [PARIS], max_model_len=10_000), None), path, body)
     assert large.status_code == 200
-    assert waited_in_vain == [False]
+    assert gate.waited_in_vain == [False]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_checking_a_large_tool_schema_does_not_hold_up_other_requests(tokenizer, monkeypatch, path):
+    gate = Gate()
+    validator_for = tools.validator_for
+
+    class GatedValidator:
+        def __init__(self, schema) -> None:
+            self.validator = validator_for(schema)
+
+        def check_schema(self, schema) -> None:
+            gate.wait()
+            self.validator.check_schema(schema)
+
+    monkeypatch.setattr(tools, "validator_for", GatedValidator)
+    fields = {f"field_{i}": {"type": "string", "description": f"{path}: field {i} of a long form"} for i in range(60)}
+    parameters = {"type": "object", "properties": fields}  # unique to this test: never a cached check
+    assert len(json.dumps(parameters)) > tools.OFF_LOOP_SCHEMA_CHARS
+    function = {"name": "fill_form", "parameters": parameters}
+    if path == "/v1/responses":
+        body = {"input": "hi", "tools": [{"type": "function", **function}]}
+    else:
+        body = {"messages": QUESTION, "tools": [{"type": "function", "function": function}]}
+    _, large = gate.run(build_app(FakeEngine(tokenizer, [PARIS], max_model_len=10_000), None), path, body)
+    assert large.status_code == 200
+    assert gate.waited_in_vain == [False]

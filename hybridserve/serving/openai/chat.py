@@ -52,7 +52,7 @@ class ChatService:
         check_model(self.engine, req.model)
         req.check_stream_options()
         req = self.extension.apply_chat_extensions(req)
-        tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, nested=True)
+        tools = await tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, nested=True)
         tools = required_by(tools, self.extension.required_tool_choice_mode())
         max_param = req.max_tokens_param
         renames = {"max_tokens": max_param, "logprobs": "top_logprobs"}

@@ -73,7 +73,7 @@ class ResponsesService:
         req.check_supported()
         req = self.extension.apply_responses_extensions(req)
         kwargs = req.chat_template_kwargs or {}
-        tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, nested=False)
+        tools = await tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, nested=False)
         tools = required_by(tools, self.extension.required_tool_choice_mode())
         items = req.input_items(self.store.item)
         if not items:
