@@ -11,6 +11,7 @@ from typing import Any
 from hybridserve.sampling_params import InvalidParameter
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+GENERATION_CONFIGS = ("auto", "none")
 _UNITS = {
     "": 1,
     "b": 1,
@@ -51,6 +52,13 @@ class EngineConfig:
     )
     served_model_name: str | None = setting(
         None, "model id clients send and see; None: smollm2, or the model path's stem"
+    )
+    generation_config: str = setting(
+        "auto",
+        "sampling defaults of requests that leave out temperature, top_p, top_k, min_p or repetition_penalty (auto: "
+        "those the model's generation_config.json sets, as vLLM does; none: OpenAI's, temperature 1 and top_p 1 with "
+        "no top_k, min_p or repetition penalty)",
+        choices=GENERATION_CONFIGS,
     )
     dtype: str = setting(
         "auto",
@@ -96,6 +104,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidParameter("dtype", f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise InvalidParameter(
+                "generation_config",
+                f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}",
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes", "num_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidParameter(name, f"{name} must be positive, got {getattr(self, name)}")

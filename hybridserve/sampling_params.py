@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 
 # Numbers below this are treated as zero temperature (greedy), as vLLM does.
 GREEDY_EPSILON = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 128  # OpenAI's limit: each choice is a sequence the engine runs
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; above it sampling is noise
 
 
 @dataclass(frozen=True)
@@ -80,16 +83,26 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None  # None: unconstrained
 
     def __post_init__(self) -> None:
-        _check(self.n >= 1, "n", self.n, "must be at least 1")
+        _check(1 <= self.n <= MAX_N, "n", self.n, f"must be in [1, {MAX_N}]")
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**63, "seed", self.seed, "must fit in a signed 64-bit integer")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be non-negative")
+        _check(
+            0.0 <= self.temperature <= MAX_TEMPERATURE,
+            "temperature",
+            self.temperature,
+            f"must be in [0, {MAX_TEMPERATURE:g}]",
+        )
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= -1, "top_k", self.top_k, "must be -1 (disabled) or non-negative")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be positive")
+        _check(
+            0.0 < self.repetition_penalty < math.inf,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "must be positive and finite",
+        )
         for token_id, bias in self.logit_bias.items():
             _check(-100.0 <= bias <= 100.0, "logit_bias", bias, f"(token {token_id}) must be in [-100, 100]")
         if self.logprobs is not None:
@@ -113,6 +126,30 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request samples with where it leaves these fields out: OpenAI's neutral values, or those the
+    model recommends (its generation_config.json, which AsyncLLM reads). Checked as SamplingParams checks them."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            integer = f.name == "top_k"
+            ok = isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
+            _check(ok, f.name, value, "must be an integer" if integer else "must be a number")
+        SamplingParams(**self.changed())
+
+    def changed(self) -> dict[str, float | int]:
+        """The fields that differ from OpenAI's neutral values."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
 
 
 class InvalidParameter(ValueError):

@@ -8,10 +8,12 @@ and routes them to per-request queues.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -26,21 +28,40 @@ from hybridserve.engine.protocol import (
     SchedulerStats,
     WorkerStatus,
 )
-from hybridserve.sampling_params import SamplingParams
+from hybridserve.sampling_params import InvalidParameter, SamplingDefaults, SamplingParams
 
 logger = logging.getLogger("hybridserve.engine")
+GENERATION_CONFIG = "generation_config.json"
+
+
+def generation_config(hf_dir: Path) -> dict[str, Any]:
+    """The checkpoint's generation_config.json ({} without one)."""
+    path = hf_dir / GENERATION_CONFIG
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def eos_token_ids(hf_dir: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The ids that end generation: generation_config.json's eos_token_id(s) and the tokenizer's."""
     ids: list[int] = []
-    gen = hf_dir / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.extend(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    eos = generation_config(hf_dir).get("eos_token_id")
+    ids.extend(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
+
+
+def sampling_defaults(hf_dir: Path, source: str = "auto") -> SamplingDefaults:
+    """What requests that leave out sampling fields sample with (`--generation-config`): "auto": the fields of
+    SamplingDefaults that generation_config.json sets (vLLM reads the same ones and, like it, ignores
+    `do_sample`), OpenAI's neutral values for the rest; "none": OpenAI's neutral values only."""
+    if source == "none":
+        return SamplingDefaults()
+    config = generation_config(hf_dir)
+    names = [f.name for f in dataclasses.fields(SamplingDefaults)]
+    try:
+        return SamplingDefaults(**{name: config[name] for name in names if config.get(name) is not None})
+    except InvalidParameter as exc:
+        raise ValueError(f"{hf_dir / GENERATION_CONFIG}: {exc}") from None
 
 
 def model_type(hf_dir: Path) -> str | None:
@@ -60,6 +81,7 @@ class AsyncLLM:
         model_name: str,
         eos_ids: list[int],
         hf_dir: Path,
+        defaults: SamplingDefaults | None = None,
     ) -> None:
         self.client = client
         self.hf_dir = hf_dir  # the tokenizer's files, for processes that load their own
@@ -68,6 +90,7 @@ class AsyncLLM:
         self.max_model_len = client.facts.max_model_len
         self.eos_token_ids = eos_ids
         self.model_type = model_type(hf_dir)
+        self.sampling_defaults = SamplingDefaults() if defaults is None else defaults
         self._routes: dict[str, Callable[[EngineCoreOutput], None]] = {}  # engine request id → its reader
         self._reader: asyncio.Task[None] | None = None
         self._dead: str | None = None

@@ -6,11 +6,12 @@ workers. It is always the same router and the same path, only the worker list di
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
 from hybridserve.config import DeploymentConfig, EngineConfig
-from hybridserve.engine.async_llm import AsyncLLM, eos_token_ids
+from hybridserve.engine.async_llm import GENERATION_CONFIG, AsyncLLM, eos_token_ids, sampling_defaults
 from hybridserve.engine.identity import tokenizer_fingerprint, weights_fingerprint
 from hybridserve.models.loader import resolve_model
 from hybridserve.router.link import WorkerLink
@@ -18,6 +19,8 @@ from hybridserve.router.local import LocalWorkers
 from hybridserve.router.policy import Routing
 from hybridserve.router.router import ExpectedModel, Router, RouterSettings
 from hybridserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger("hybridserve.engine")
 
 STARTUP_TIMEOUT_S = 600.0  # loading a model; remote workers: until the first one answers
 WORKER_API_KEY_ENV = "HYBRIDSERVE_WORKER_API_KEY"
@@ -33,6 +36,13 @@ def build_engine(
     resolved = resolve_model(config.model)
     tokenizer = load_tokenizer(resolved.hf_dir)
     hf_dir = resolved.hf_dir
+    defaults = sampling_defaults(hf_dir, config.generation_config)
+    if defaults.changed():
+        logger.info(
+            "requests that leave them out sample with %s's %s (--generation-config none: OpenAI's defaults)",
+            GENERATION_CONFIG,
+            ", ".join(f"{name}={value}" for name, value in defaults.changed().items()),
+        )
     expected = ExpectedModel(resolved.name, weights_fingerprint(hf_dir), tokenizer_fingerprint(hf_dir))
     settings = RouterSettings(
         Routing(deployment.routing_policy),
@@ -53,4 +63,4 @@ def build_engine(
         router.shutdown()
         raise
     name = config.served_model_name or resolved.name
-    return AsyncLLM(router, tokenizer, name, eos_token_ids(resolved.hf_dir, tokenizer), resolved.hf_dir)
+    return AsyncLLM(router, tokenizer, name, eos_token_ids(hf_dir, tokenizer), hf_dir, defaults)

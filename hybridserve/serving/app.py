@@ -7,11 +7,9 @@ import hmac
 import importlib.metadata
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hybridserve.serving.engine import ServingEngine
@@ -19,14 +17,9 @@ from hybridserve.serving.extensions import ServingExtension, extension_for
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.batches.routes import add_files_and_batches
 from hybridserve.serving.openai.batches.runner import BatchSettings
+from hybridserve.serving.openai.body import DEFAULT_MAX_BODY_BYTES, parse_body
 from hybridserve.serving.openai.endpoints import GenerationServices
-from hybridserve.serving.openai.errors import (
-    SERVER_ERROR,
-    APIError,
-    install_error_handlers,
-    json_response,
-    validation_error,
-)
+from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, install_error_handlers, json_response
 from hybridserve.serving.openai.models import ModelsService
 from hybridserve.serving.openai.prompt import template_supports_tools
 from hybridserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -53,6 +46,7 @@ def build_app(
     postprocess: PostprocessPool | None = None,
     extension: ServingExtension | None = None,
     batch_settings: BatchSettings | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """An app serving `engine` (e.g. an AsyncLLM); with `api_key`, every /v1 route requires that Bearer token.
 
@@ -64,6 +58,7 @@ def build_app(
     `postprocess` (owned by the caller) takes the Responses API's text and event work off the event loop.
     `extension` handles model-specific requests (default: the one registered for the engine's model_type).
     `batch_settings` bounds the Files and Batch APIs (default: BatchSettings()); file bytes live under `data_dir`.
+    `max_body_bytes` bounds a JSON request body (a 413 past it); file uploads have `batch_settings`' own limit.
     """
     metrics = ServingMetrics(engine.model_name, engine.workers)
     held = data_dir if isinstance(data_dir, DataDir) or data_dir is None else DataDir(data_dir)
@@ -126,15 +121,15 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
-        return await chat.create(await parse_body(request, ChatCompletionRequest), request)
+        return await chat.create(await parse_body(request, ChatCompletionRequest, max_body_bytes), request)
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
-        return await completions.create(await parse_body(request, CompletionRequest), request)
+        return await completions.create(await parse_body(request, CompletionRequest, max_body_bytes), request)
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        return await responses.create(await parse_body(request, ResponsesRequest), request)
+        return await responses.create(await parse_body(request, ResponsesRequest, max_body_bytes), request)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, stream: bool = False, starting_after: int | None = None):
@@ -161,6 +156,7 @@ def build_app(
         services.batch_endpoints(),
         metrics,
         batch_settings or BatchSettings(),
+        max_body_bytes,
     )
     return app
 
@@ -175,16 +171,6 @@ def default_parsers(
         tool = extension.parsers[1] if tool == "auto" else tool
     template = tokenizer.chat_template
     return Parsers.choose(template, template_supports_tools(template), reasoning, tool)
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-async def parse_body(request: Request, model: type[M]) -> M:
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as exc:
-        raise validation_error(list(exc.errors())) from None
 
 
 class APIKeyMiddleware:

@@ -27,6 +27,7 @@ from hybridserve.serving.flags import (
     model_configs,
 )
 from hybridserve.serving.openai.batches.runner import BatchSettings
+from hybridserve.serving.openai.body import DEFAULT_MAX_BODY_BYTES
 from hybridserve.serving.openai.responses.store import Retention
 
 logger = logging.getLogger("hybridserve.serve")
@@ -60,6 +61,13 @@ def build_parser(serve_defaults: dict[str, Any] | None = None) -> argparse.Argum
         "--api-key",
         default=None,
         help="require this key as 'Authorization: Bearer <key>' on /v1 routes; None: no key",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=flag_type(parse_bytes),
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest JSON request body (bytes, or with a unit such as 16MiB); a larger one gets a 413 as soon as it "
+        "passes the limit, or at once when its Content-Length says so (/v1/files uploads: --max-upload-bytes)",
     )
     serve.add_argument(
         "--data-dir",
@@ -229,6 +237,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         deployment = config_from(DeploymentConfig, args)
     except InvalidParameter as exc:
         parser.error(f"--{exc.param.replace('_', '-')}: {exc}")
+    if args.max_request_body_bytes < 1:
+        parser.error(f"--max-request-body-bytes: must be at least 1, got {args.max_request_body_bytes}")
     if args.num_postprocess_workers < 0:
         parser.error(f"--num-postprocess-workers: must be at least 0, got {args.num_postprocess_workers}")
     for flag in ("response_store_max_count", "response_store_max_age"):
@@ -275,7 +285,17 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         logger.info("output parsers: reasoning %s, tools %s", parsers.reasoning, parsers.tool)
         if args.num_postprocess_workers:
             pool = PostprocessPool(engine.hf_dir, args.num_postprocess_workers)
-        app = build_app(engine, args.api_key, data_dir, retention, parsers, pool, extension, batch_settings=batches)
+        app = build_app(
+            engine,
+            args.api_key,
+            data_dir,
+            retention,
+            parsers,
+            pool,
+            extension,
+            batch_settings=batches,
+            max_body_bytes=args.max_request_body_bytes,
+        )
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         servers.append(ReadyServer(server_config, engine.model_name, stop))
         servers[0].run()

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats, WorkerStatus
-from hybridserve.sampling_params import SamplingParams
+from hybridserve.sampling_params import SamplingDefaults, SamplingParams
 
 
 class ServingEngine(Protocol):
@@ -19,6 +19,7 @@ class ServingEngine(Protocol):
     tokenizer: PreTrainedTokenizerBase
     max_model_len: int
     eos_token_ids: list[int]
+    sampling_defaults: SamplingDefaults  # what requests that leave out temperature, top_p, ... sample with
 
     def stats(self) -> SchedulerStats: ...
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -200,9 +201,14 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{parts[module]}.{kind}"
 
 
-def write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> None:
+def write_gguf(
+    path: Path, arch: str, tensors: dict[str, np.ndarray], metadata: Callable[[gguf.GGUFWriter], None] | None = None
+) -> None:
+    """A tiny GGUF of `tensors`; `metadata` adds keys of its own."""
     vocab = tiny_vocab()
     writer = gguf.GGUFWriter(path, arch)
+    if metadata is not None:
+        metadata(writer)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
@@ -247,6 +253,27 @@ def test_llama_with_biases_and_output_weight_round_trips(tmp_path: Path) -> None
     with torch.device("meta"):
         expected = AutoModelForCausalLM.from_config(config).state_dict()
     assert sorted(expected) == sorted(ours)
+
+
+def test_sampling_recommendations_reach_generation_config(tmp_path: Path) -> None:
+    def recommend(writer: gguf.GGUFWriter) -> None:
+        writer.add_sampling_temp(0.6)
+        writer.add_sampling_top_p(0.95)
+        writer.add_sampling_top_k(20)
+        writer.add_sampling_penalty_repeat(1.05)
+
+    write_gguf(tmp_path / "tiny.gguf", "llama", hf_weights(len(tiny_vocab()), np.random.default_rng(0)), recommend)
+    generation = json.loads(
+        (convert_gguf(tmp_path / "tiny.gguf", tmp_path / "cache") / "generation_config.json").read_text()
+    )
+    assert {k: generation[k] for k in ("do_sample", "temperature", "top_p", "top_k", "repetition_penalty")} == {
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+    }
+    assert "min_p" not in generation
 
 
 def test_qwen2_matches_transformers(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from hybridserve.engine.protocol import (
     TokenLogprobs,
     WorkerStatus,
 )
-from hybridserve.sampling_params import InvalidParameter, SamplingParams
+from hybridserve.sampling_params import InvalidParameter, SamplingDefaults, SamplingParams
 
 
 class FakeEngine:
@@ -48,6 +48,7 @@ class FakeEngine:
         self.running = 0
         self.dead = False
         self.eos_token_ids = [2]
+        self.sampling_defaults = SamplingDefaults()  # what AsyncLLM reads from generation_config.json
         self._raw: dict[str, asyncio.Task] = {}
 
     def stats(self) -> SchedulerStats:

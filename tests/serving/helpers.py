@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from .openapi_schema import check
+
 # "The capital of France is Paris." then EOS (id 2, which decodes to "" with skip_special_tokens).
 PARIS = [504, 3575, 282, 4649, 314, 7042, 30, 2]
 PARIS_PIECES = ["The", " capital", " of", " France", " is", " Paris", "."]
@@ -43,6 +45,12 @@ def without_ids(body: dict) -> dict:
 
 def error_body(message: str, type: str = "invalid_request_error", param=None, code=None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def assert_error(r, status, message, param=None, code=None, type="invalid_request_error"):
+    """`r` is exactly this OpenAI error, in the shape of OpenAI's ErrorResponse schema."""
+    assert (r.status_code, r.json()) == (status, error_body(message, type, param, code))
+    check(r.json(), "ErrorResponse")
 
 
 async def call_until_disconnect(app, path: str, body: dict, disconnect_after: asyncio.Event) -> list[dict]:
@@ -100,3 +108,13 @@ def serve_in_thread(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def serve_with_engine(monkeypatch, build) -> None:
+    """`hybridserve serve` / `run-batch` get their engine from `build(config)` instead of starting workers."""
+    import sys
+    import types
+
+    module = types.ModuleType("hybridserve.router.deploy")
+    module.build_engine = lambda config, deployment=None, on_fatal=None: build(config)
+    monkeypatch.setitem(sys.modules, "hybridserve.router.deploy", module)

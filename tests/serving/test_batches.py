@@ -3,11 +3,9 @@ expiry, resume after a crash, limits, and a 20k-line input validated in bounded 
 
 import json
 import logging
-import sys
 import threading
 import time
 import tracemalloc
-import types
 from pathlib import Path
 
 import openai
@@ -23,7 +21,7 @@ from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.storage import DATABASE_FILE, Database
 
 from .fake_engine import FakeEngine
-from .helpers import PARIS, QUESTION, error_body, without_ids
+from .helpers import PARIS, QUESTION, error_body, serve_with_engine, without_ids
 
 TEXT = "The capital of France is Paris."
 BODIES = {
@@ -189,7 +187,8 @@ def test_validation_errors_name_each_line(app_client):
             {
                 "code": "invalid_request",
                 "line": 6,
-                "message": "Line 6: invalid body: Invalid value for 'messages': Input should be a valid list.",
+                "message": "Line 6: invalid body: Invalid value for 'messages': Input should be a valid list, got "
+                '"hello".',
                 "param": "body.messages",
             },
             {
@@ -476,16 +475,14 @@ def test_20k_lines_validate_in_bounded_memory(tmp_path: Path):
 def test_cli_flags_reach_the_batch_settings(monkeypatch, tokenizer, capsys):
     seen = {}
 
-    def build_engine(config, deployment, on_fatal=None):
+    def build_engine(config):
         return FakeEngine(tokenizer, [PARIS])
 
-    def fake_build_app(*args, batch_settings):
+    def fake_build_app(*args, batch_settings, max_body_bytes):
         seen["settings"] = batch_settings
         raise SystemExit(0)
 
-    module = types.ModuleType("hybridserve.router.deploy")
-    module.build_engine = build_engine
-    monkeypatch.setitem(sys.modules, "hybridserve.router.deploy", module)
+    serve_with_engine(monkeypatch, build_engine)
     monkeypatch.setattr("hybridserve.serving.app.build_app", fake_build_app)
     flags = ["--max-upload-bytes", "2MiB", "--batch-max-lines", "7", "--max-active-batches", "3"]
     with pytest.raises(SystemExit):

@@ -1,11 +1,10 @@
 import dataclasses
-import sys
-import types
 
 import pytest
 
 from hybridserve.config import EngineConfig, ExtensionConfig, parse_bytes
 from hybridserve.serving import cli
+from tests.serving.helpers import serve_with_engine
 
 
 @pytest.mark.parametrize(
@@ -131,16 +130,14 @@ def test_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tokenizer):
     engine = FakeEngine(tokenizer, [PARIS])
     engine.shutdown = lambda: seen.setdefault("shutdown", True)
 
-    def build_engine(config, deployment, on_fatal=None):
+    def build_engine(config):
         seen["config"] = config
         return engine
 
     def run(server):
         seen["server"] = (server.config.host, server.config.port, server.model_name)
 
-    module = types.ModuleType("hybridserve.router.deploy")
-    module.build_engine = build_engine
-    monkeypatch.setitem(sys.modules, "hybridserve.router.deploy", module)
+    serve_with_engine(monkeypatch, build_engine)
     monkeypatch.setattr(cli.ReadyServer, "run", run)
     cli.main(["serve", "--port", "9123", "--api-key", "k", "--max-num-seqs", "4"])
     assert seen == {
@@ -188,16 +185,14 @@ def test_serve_hands_the_extension_its_config(monkeypatch, tokenizer):
     engine.shutdown = lambda: None
     seen = {}
 
-    def build_engine(config, deployment, on_fatal=None):
+    def build_engine(config):
         return engine
 
-    def build_app(engine, api_key, data_dir, retention, parsers, pool, extension, batch_settings):
+    def build_app(engine, api_key, data_dir, retention, parsers, pool, extension, batch_settings, max_body_bytes):
         seen["extension"] = extension
         return object()  # never served: ReadyServer.run is stubbed
 
-    module = types.ModuleType("hybridserve.router.deploy")
-    module.build_engine = build_engine
-    monkeypatch.setitem(sys.modules, "hybridserve.router.deploy", module)
+    serve_with_engine(monkeypatch, build_engine)
     monkeypatch.setattr(app, "build_app", build_app)
     monkeypatch.setattr(cli.ReadyServer, "run", lambda server: None)
     monkeypatch.delenv(POLICY_ENV, raising=False)

@@ -3,9 +3,7 @@ its database's errors reach callers as they are."""
 
 import os
 import sqlite3
-import sys
 import time
-import types
 
 import pytest
 from fastapi.testclient import TestClient
@@ -15,7 +13,7 @@ from hybridserve.serving.app import build_app
 from hybridserve.serving.storage import Database, DataDir, DataDirInUse
 
 from .fake_engine import FakeEngine
-from .helpers import PARIS
+from .helpers import PARIS, serve_with_engine
 from .test_responses import ASK, TEXT
 from .test_responses_background import wait_for
 
@@ -50,9 +48,7 @@ def wait(condition) -> None:
 
 def test_a_second_server_exits_before_loading_its_model(monkeypatch, capsys, data_dir):
     loaded = []
-    module = types.ModuleType("hybridserve.router.deploy")
-    module.build_engine = lambda config, deployment, on_fatal=None: loaded.append(config)
-    monkeypatch.setitem(sys.modules, "hybridserve.router.deploy", module)
+    serve_with_engine(monkeypatch, loaded.append)
     held = DataDir(data_dir)
     try:
         with pytest.raises(SystemExit) as exit_info:

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from hybridserve.serving.app import build_app
 
 from .fake_engine import FakeEngine
-from .helpers import PARIS, QUESTION, call_until_disconnect, chat_prompt, error_body
+from .helpers import PARIS, QUESTION, assert_error, call_until_disconnect, chat_prompt
 from .openapi_schema import check
 
 TEXT = "The capital of France is Paris."
@@ -89,11 +89,6 @@ def events(text: str) -> list[dict]:
         out.append(payload)
     assert [e["sequence_number"] for e in out] == list(range(len(out)))
     return out
-
-
-def assert_error(r, status, message, param=None, code=None, type="invalid_request_error"):
-    assert (r.status_code, r.json()) == (status, error_body(message, type, param, code))
-    check(r.json(), "ErrorResponse")
 
 
 def test_create_answers_the_whole_object(client, engine, tokenizer):

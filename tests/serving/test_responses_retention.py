@@ -1,8 +1,6 @@
 """Response store retention (count, age, unlimited) and `truncation` ("auto" / "disabled") of /v1/responses."""
 
 import sqlite3
-import sys
-import types
 
 import pytest
 from fastapi.testclient import TestClient
@@ -13,7 +11,7 @@ from hybridserve.serving.openai.responses.store import ResponseStore, Retention
 from hybridserve.serving.parsers import Parsers
 
 from .fake_engine import FakeEngine
-from .helpers import PARIS, chat_prompt, error_body
+from .helpers import PARIS, chat_prompt, error_body, serve_with_engine
 from .openapi_schema import check
 
 TEXT = "The capital of France is Paris."
@@ -147,16 +145,14 @@ def test_cli_flags_reach_the_store(monkeypatch, tokenizer):
     args = cli.build_parser().parse_args(["serve"])
     assert (args.response_store_max_count, args.response_store_max_age) == (10_000, 30 * 24 * 3600)
 
-    def build_engine(config, deployment, on_fatal=None):
+    def build_engine(config):
         return FakeEngine(tokenizer, [PARIS])
 
-    def fake_build_app(engine, api_key, data_dir, retention, parsers, postprocess, extension, batch_settings):
+    def fake_build_app(engine, api_key, data_dir, retention, parsers, postprocess, extension, batch_settings, **_):
         seen["retention"], seen["parsers"] = retention, parsers
         raise SystemExit(0)
 
-    module = types.ModuleType("hybridserve.router.deploy")
-    module.build_engine = build_engine
-    monkeypatch.setitem(sys.modules, "hybridserve.router.deploy", module)
+    serve_with_engine(monkeypatch, build_engine)
     monkeypatch.setattr("hybridserve.serving.app.build_app", fake_build_app)
     with pytest.raises(SystemExit):
         cli.main(

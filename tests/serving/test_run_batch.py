@@ -8,8 +8,6 @@ import json
 import logging
 import os
 import signal
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from hybridserve.serving import cli
 from hybridserve.serving.app import build_app
 
 from .fake_engine import FakeEngine
-from .helpers import PARIS, QUESTION, error_body, without_ids
+from .helpers import PARIS, QUESTION, error_body, serve_with_engine, without_ids
 
 BODIES = {
     "/v1/chat/completions": {"messages": QUESTION, "max_tokens": 8, "temperature": 0},
@@ -87,14 +85,12 @@ def run(monkeypatch, tmp_path):
     returning its exit status; `engine.started` counts the engines it started."""
 
     def run(engine: Engine, *flags: str, resume: bool = False) -> int | None:
-        def build_engine(config, deployment=None):
+        def build_engine(config):
             engine.started += 1
             engine.config = config
             return engine
 
-        module = types.ModuleType("hybridserve.router.deploy")
-        module.build_engine = build_engine
-        monkeypatch.setitem(sys.modules, "hybridserve.router.deploy", module)
+        serve_with_engine(monkeypatch, build_engine)
         files = ["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
         return cli.main(["run-batch", *files, *flags, *(["--resume"] if resume else [])])
 

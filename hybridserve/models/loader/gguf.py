@@ -27,7 +27,7 @@ from hybridserve.paths import cache_dir
 logger = logging.getLogger("hybridserve.loader")
 
 GGUF_MAGIC = b"GGUF"
-FORMAT_VERSION = 1  # part of the cache key: bump when the converted layout changes
+FORMAT_VERSION = 2  # part of the cache key: bump when the converted layout changes
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,14 @@ BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# GGUF's keys for the sampling a model recommends → generation_config.json's names for them.
+SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
 }
 ATTENTION_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 MLP_PROJECTIONS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -124,6 +132,7 @@ def write_hf_dir(path: Path, out: Path) -> None:
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    generation.update(sampling_recommendations(reader))
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     with phase("converting tokenizer", path):
         save_tokenizer(reader, path, out, config["max_position_embeddings"])
@@ -136,6 +145,18 @@ def field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
             raise ValueError(f"GGUF {reader.data.filename} lacks the required metadata key {key!r}")
         return default
     return entry.contents()
+
+
+def sampling_recommendations(reader: gguf.GGUFReader) -> dict[str, bool | float | int]:
+    """The GGUF's `general.sampling.*` values under generation_config.json's names (floats are stored as float32:
+    rounded back to 6 significant digits, so 0.6 reads 0.6), with `do_sample` as Hugging Face checkpoints that
+    recommend sampling set it."""
+    out: dict[str, bool | float | int] = {}
+    for key, name in SAMPLING_KEYS.items():
+        if key in reader.fields:
+            value = field(reader, key)
+            out[name] = int(value) if name == "top_k" else float(f"{float(value):.6g}")
+    return {"do_sample": True, **out} if out else out
 
 
 def build_config(reader: gguf.GGUFReader, arch: str, spec: ArchSpec, path: Path) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any, Literal, Protocol
 
 from hybridserve.config import ExtensionConfig
 from hybridserve.sampling_params import StructuredOutput
-from hybridserve.serving.openai.prompt import Prompt, PromptRenderer
+from hybridserve.serving.openai.prompt import PromptRenderer
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.openai.responses.protocol import ResponsesRequest
 
@@ -24,7 +24,10 @@ class Renderer(Protocol):
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
         param: str = "messages",
-    ) -> Prompt: ...
+    ) -> str:
+        """The prompt text (the services tokenize it: prompt.tokenized); what cannot be rendered is a 400 on
+        `param`."""
+        ...
 
 
 class ServingExtension:

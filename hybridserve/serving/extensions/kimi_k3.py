@@ -28,7 +28,6 @@ from hybridserve.serving.extensions.base import RequiredMode, ServingExtension, 
 from hybridserve.serving.extensions.policy import enforce_kimi_param_policy
 from hybridserve.serving.extensions.tool_history import prepare_tool_history
 from hybridserve.serving.openai.errors import APIError
-from hybridserve.serving.openai.prompt import Prompt
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.openai.responses.protocol import ResponsesRequest
 
@@ -39,21 +38,17 @@ TOOL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_-]{0,255}$")
 class KimiK3Renderer:
     """The K3 format behind PromptRenderer's interface; what it cannot render is a 400 on `param`."""
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
     def render(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
         param: str = "messages",
-    ) -> Prompt:
+    ) -> str:
         try:
-            text = render_messages(messages, tools, template_kwargs or {})
+            return render_messages(messages, tools, template_kwargs or {})
         except ValueError as exc:
             raise APIError(400, f"The Kimi-K3 renderer could not render these messages: {exc}", param=param) from None
-        return Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
 
 
 def thinking_kwargs(effort: Any, param: str) -> dict[str, Any]:
@@ -138,7 +133,7 @@ class KimiK3ServingExtension(ServingExtension):
     keeps_special_tokens = True
 
     def renderer(self, tokenizer) -> KimiK3Renderer:
-        return KimiK3Renderer(tokenizer)
+        return KimiK3Renderer()
 
     def apply_chat_extensions(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
         check_system_tools(request)

@@ -27,6 +27,7 @@ from hybridserve.serving.openai.generation import (
     stream_frame,
 )
 from hybridserve.serving.openai.models import check_model
+from hybridserve.serving.openai.prompt import tokenized
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
 from hybridserve.serving.openai.structured import structured_output
@@ -51,18 +52,21 @@ class ChatService:
         check_model(self.engine, req.model)
         req.check_stream_options()
         req = self.extension.apply_chat_extensions(req)
-        tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, nested=True)
+        tools = await tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, nested=True)
         tools = required_by(tools, self.extension.required_tool_choice_mode())
         max_param = req.max_tokens_param
         renames = {"max_tokens": max_param, "logprobs": "top_logprobs"}
-        params = req.sampling_params(req.num_logprobs(), req.requested_max_tokens, renames, self.vocab_size)
+        params = req.sampling_params(
+            req.num_logprobs(), req.requested_max_tokens, renames, self.vocab_size, self.engine.sampling_defaults
+        )
         if self.extension.keeps_special_tokens and req.skip_special_tokens is None:
             params = dataclasses.replace(params, skip_special_tokens=False)
         constraint = structured_output(req.response_format, tools, param="response_format", nested=True)
         if not tools.forced:
             constraint = self.extension.structured_output(constraint, req.chat_template_kwargs or {})
         params = dataclasses.replace(params, structured_output=constraint)
-        prompt = self.renderer.render(req.template_messages(), tools.template_tools(), req.chat_template_kwargs)
+        text = self.renderer.render(req.template_messages(), tools.template_tools(), req.chat_template_kwargs)
+        prompt = await tokenized(self.engine.tokenizer, text)
         params = fit_to_context(
             params,
             len(prompt.ids),

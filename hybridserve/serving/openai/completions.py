@@ -15,6 +15,7 @@ from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import APIError, json_response
 from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, request_priority, stream_frame
 from hybridserve.serving.openai.models import check_model
+from hybridserve.serving.openai.prompt import off_loop
 from hybridserve.serving.openai.protocol import CompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
 
@@ -63,8 +64,8 @@ class CompletionService:
         check_model(self.engine, req.model)
         req.check_stream_options()
         req.check_supported()
-        base = req.sampling_params(req.logprobs, req.max_tokens, {}, self.vocab_size)
-        prompts = self.tokenize(req.prompt)
+        base = req.sampling_params(req.logprobs, req.max_tokens, {}, self.vocab_size, self.engine.sampling_defaults)
+        prompts = await off_loop(_size(req.prompt), self.tokenize, req.prompt)
         max_len = self.engine.max_model_len
         params = [fit_to_context(base, len(p), max_len, what="prompt", max_tokens_param="max_tokens") for p in prompts]
         echo = self.prompt_texts(req.prompt, prompts) if req.echo else None
@@ -80,6 +81,13 @@ class CompletionService:
         if req.stream:
             return EventStreamResponse(_stream(run, head, req.include_usage, want_logprobs, echo))
         return await cancel_on_disconnect(request, _complete(run, head, want_logprobs, echo))
+
+
+def _size(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    """The characters or token ids `prompt` holds: the work of tokenizing and checking it."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) if isinstance(p, str | list) else 1 for p in prompt)
 
 
 def completion_logprobs(logprobs: list[Logprob], offset: int) -> tuple[dict, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import msgspec
@@ -81,8 +82,16 @@ def _param_path(loc: tuple) -> str | None:
     return path or None
 
 
+def _shown(value: object, limit: int = 80) -> str:
+    """A sent value as JSON (`"yes"`, `false`, `Infinity`), shortened past `limit` characters."""
+    if isinstance(value, str):
+        value = value[:limit]
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def validation_error(errors: list[dict]) -> APIError:
-    """The first pydantic error, named by its field path (e.g. `messages[0].content`)."""
+    """The first pydantic error, named by its field path (e.g. `messages[0].content`) and the value sent."""
     first = errors[0]
     if first["type"] == "json_invalid":
         return malformed_json()
@@ -92,7 +101,8 @@ def validation_error(errors: list[dict]) -> APIError:
     if first["type"] == "missing":
         return APIError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
     code = "invalid_type" if first["type"].endswith(("_type", "_parsing")) else "invalid_value"
-    return APIError(400, f"Invalid value for '{param}': {first['msg']}.", param=param, code=code)
+    message = f"Invalid value for '{param}': {first['msg']}, got {_shown(first['input'])}."
+    return APIError(400, message, param=param, code=code)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -2,7 +2,9 @@
 
 Responses are plain dicts built where they are sent (see chat.py, completions.py): the streaming path
 encodes one small dict per chunk, and tests check the shapes against OpenAI's published schemas.
-Unknown request fields are ignored, as OpenAI clients send extras.
+Unknown request fields are ignored, as OpenAI clients send extras. Known fields take JSON's own types
+(strict): `"stream": "yes"` is no boolean, `"temperature": false` no number, `"n": "2"` no integer; and
+numbers must be finite (`Infinity`, `NaN` and overflowing literals such as `1e999` are refused).
 """
 
 from __future__ import annotations
@@ -11,15 +13,21 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from hybridserve.sampling_params import InvalidParameter, SamplingParams
+from hybridserve.sampling_params import InvalidParameter, SamplingDefaults, SamplingParams
 from hybridserve.serving.openai.errors import APIError, invalid_parameter
 
 
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """A request body's model (or a part of one): strict JSON types, finite numbers."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestModel):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
@@ -53,20 +61,26 @@ class SamplingRequest(BaseModel):
             raise APIError(400, "stream_options is only allowed when stream is true.", param="stream_options")
 
     def sampling_params(
-        self, logprobs: int | None, max_tokens: int | None, renames: dict[str, str], vocab_size: int
+        self,
+        logprobs: int | None,
+        max_tokens: int | None,
+        renames: dict[str, str],
+        vocab_size: int,
+        defaults: SamplingDefaults,
     ) -> SamplingParams:
-        """Validated SamplingParams; an out-of-range value is a 400 naming the request's field."""
+        """Validated SamplingParams, `defaults` where the request leaves a field out; an out-of-range value is a
+        400 naming the request's field."""
         try:
             return SamplingParams(
                 n=_default(self.n, 1),
-                temperature=_default(self.temperature, 1.0),
-                top_p=_default(self.top_p, 1.0),
-                top_k=_default(self.top_k, 0),
-                min_p=_default(self.min_p, 0.0),
+                temperature=_default(self.temperature, defaults.temperature),
+                top_p=_default(self.top_p, defaults.top_p),
+                top_k=_default(self.top_k, defaults.top_k),
+                min_p=_default(self.min_p, defaults.min_p),
                 seed=self.seed,
                 presence_penalty=_default(self.presence_penalty, 0.0),
                 frequency_penalty=_default(self.frequency_penalty, 0.0),
-                repetition_penalty=_default(self.repetition_penalty, 1.0),
+                repetition_penalty=_default(self.repetition_penalty, defaults.repetition_penalty),
                 logit_bias=_logit_bias(self.logit_bias, vocab_size),
                 logprobs=logprobs,
                 max_tokens=max_tokens,
@@ -81,13 +95,13 @@ class SamplingRequest(BaseModel):
             raise invalid_parameter(exc, renames) from None
 
 
-class ContentPart(BaseModel):
+class ContentPart(RequestModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, ... reach the template as given
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None

@@ -1,8 +1,11 @@
 """Function tools in a request: validation, tool_choice, rendering into the prompt, and forced calls.
 
 Both endpoints normalise their own wire shapes (Chat nests `function`, Responses is flat) into one
-ToolRequest. Tool types other than function are accepted and ignored with a warning, as clients such as
-Codex declare built-in tools a self-hosted model cannot run.
+ToolRequest. A function's `parameters` must be a valid JSON Schema (checked against its metaschema, a long one
+on a worker thread), forced or not. The other tool types OpenAI defines for the endpoint (Chat: custom;
+Responses: web_search, local_shell, mcp, ...) are accepted and ignored with a warning, as clients such as
+Codex declare built-in tools a self-hosted model cannot run; a type OpenAI does not define there (a typo, a
+missing type) is a 400.
 
 A chat template that knows no tools (SmolLM2's, for one) still serves agents: the tools, the assistant's
 earlier calls and the tool results are written into the messages in the Hermes format, which the hermes
@@ -11,13 +14,19 @@ tool parser reads back.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
 
 from hybridserve.serving.openai.errors import APIError
 from hybridserve.serving.parsers import Parsers, Piece, StreamParser, Text, ToolCall
@@ -26,6 +35,33 @@ logger = logging.getLogger(__name__)
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 CHOICES = ("auto", "none", "required")
+CHAT_TOOL_TYPES = ("function", "custom")
+RESPONSES_TOOL_TYPES = (
+    "function",
+    "file_search",
+    "computer",
+    "computer_use_preview",
+    "web_search",
+    "web_search_2025_08_26",
+    "web_search_preview",
+    "web_search_preview_2025_03_11",
+    "mcp",
+    "code_interpreter",
+    "programmatic_tool_calling",
+    "image_generation",
+    "local_shell",
+    "shell",
+    "custom",
+    "namespace",
+    "tool_search",
+    "apply_patch",
+)
+MAX_PROBLEM_CHARS = 300
+# jsonschema is pure Python: checking a schema of this many characters takes ~10 ms, a megabyte seconds, so
+# longer ones are checked on a worker thread. Checks of schemas up to MAX_CACHED_SCHEMA_CHARS are remembered
+# (256 of them, at most 16 MiB): agents send the same tools with every turn.
+OFF_LOOP_SCHEMA_CHARS = 2048
+MAX_CACHED_SCHEMA_CHARS = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -134,7 +170,7 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def tool_request(
+async def tool_request(
     tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None, *, nested: bool
 ) -> ToolRequest:
     """Validates `tools` and `tool_choice` as sent to Chat (`nested`: `{"function": {...}}`) or Responses."""
@@ -143,21 +179,40 @@ def tool_request(
         param = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise APIError(400, f"'{param}' must be an object.", param=param)
-        if tool.get("type") != "function":
-            logger.warning("ignoring tool %s of type %r: only function tools are served", param, tool.get("type"))
+        if _tool_type(tool, param, CHAT_TOOL_TYPES if nested else RESPONSES_TOOL_TYPES) != "function":
+            logger.warning("ignoring tool %s of type %r: only function tools are served", param, tool["type"])
             continue
         spec = tool.get("function") if nested else tool
         if nested:
             param = f"{param}.function"
             if not isinstance(spec, dict):
                 raise APIError(400, f"Missing required parameter: '{param}'.", param=param)
-        functions.append(_function(spec, param))
+        functions.append(await _function(spec, param))
         if functions[-1].name in (f.name for f in functions[:-1]):
             raise APIError(400, f"Duplicate function name {functions[-1].name!r} in tools.", param=f"{param}.name")
     return ToolRequest(tuple(functions), _choice(tool_choice, functions, nested), parallel is not False)
 
 
-def _function(spec: dict[str, Any], param: str) -> FunctionTool:
+def _tool_type(tool: dict[str, Any], param: str, known: tuple[str, ...]) -> str:
+    kind = tool.get("type")
+    if kind is None:
+        raise APIError(
+            400,
+            f"Missing required parameter: '{param}.type'.",
+            param=f"{param}.type",
+            code="missing_required_parameter",
+        )
+    if kind not in known:
+        raise APIError(
+            400,
+            f"Invalid value for '{param}.type': {kind!r}. Supported values are: {', '.join(map(repr, known))}.",
+            param=f"{param}.type",
+            code="invalid_value",
+        )
+    return kind
+
+
+async def _function(spec: dict[str, Any], param: str) -> FunctionTool:
     name = spec.get("name")
     if not isinstance(name, str):
         raise APIError(400, f"Missing required parameter: '{param}.name'.", param=f"{param}.name")
@@ -173,8 +228,42 @@ def _function(spec: dict[str, Any], param: str) -> FunctionTool:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
         raise APIError(400, f"'{param}.parameters' must be a JSON schema object.", param=f"{param}.parameters")
+    problem = await _schema_problem(parameters)
+    if problem is not None:
+        raise APIError(
+            400,
+            f"Invalid schema for function {name!r}: {problem}",
+            param=f"{param}.parameters",
+            code="invalid_function_parameters",
+        )
     description = spec.get("description")
     return FunctionTool(name, description if isinstance(description, str) else None, parameters)
+
+
+async def _schema_problem(parameters: dict[str, Any]) -> str | None:
+    """Why `parameters` is not a valid JSON Schema (against its `$schema`'s metaschema, else draft 2020-12's),
+    or None."""
+    text = json.dumps(parameters, sort_keys=True)
+    check = _cached_problem if len(text) <= MAX_CACHED_SCHEMA_CHARS else _problem
+    if len(text) <= OFF_LOOP_SCHEMA_CHARS:
+        return check(text)
+    return await asyncio.to_thread(check, text)
+
+
+def _problem(schema_json: str) -> str | None:
+    schema = json.loads(schema_json)
+    declared = schema.get("$schema", "")
+    validator = validator_for(schema) if isinstance(declared, str) else Draft202012Validator
+    try:
+        validator.check_schema(schema)
+    except SchemaError as exc:
+        where = f"In context={tuple(exc.path)}, " if exc.path else ""
+        problem = f"{where}{exc.message}."
+        return problem if len(problem) <= MAX_PROBLEM_CHARS else problem[: MAX_PROBLEM_CHARS - 3] + "..."
+    return None
+
+
+_cached_problem = functools.lru_cache(maxsize=256)(_problem)
 
 
 def _choice(choice: Any, functions: list[FunctionTool], nested: bool) -> str:

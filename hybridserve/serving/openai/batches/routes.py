@@ -8,14 +8,14 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import ValidationError
 
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.batches.protocol import BatchEndpoint, CreateBatchRequest
 from hybridserve.serving.openai.batches.runner import BatchRunner, BatchSettings
 from hybridserve.serving.openai.batches.service import BatchesService
 from hybridserve.serving.openai.batches.store import BatchStore
-from hybridserve.serving.openai.errors import json_response, validation_error
+from hybridserve.serving.openai.body import parse_body
+from hybridserve.serving.openai.errors import json_response
 from hybridserve.serving.openai.files.service import FilesService
 from hybridserve.serving.openai.files.store import FileStore
 from hybridserve.serving.storage import Database
@@ -45,9 +45,11 @@ def add_files_and_batches(
     endpoints: dict[str, BatchEndpoint],
     metrics: ServingMetrics,
     settings: BatchSettings,
+    max_body_bytes: int,
 ) -> FilesAndBatches:
     """Registers /v1/files and /v1/batches. File bytes live under `data_dir`/files (None: a temporary
-    directory, removed at shutdown, for an app whose database is in memory too)."""
+    directory, removed at shutdown, for an app whose database is in memory too). A file upload is bounded by
+    `settings.max_upload_bytes`, a batch creation's JSON body by `max_body_bytes`."""
     temporary = None if data_dir is not None else Path(tempfile.mkdtemp(prefix="hybridserve-files-"))
     file_store = FileStore(db, Path(data_dir) / "files" if data_dir is not None else temporary)
     batch_store = BatchStore(db)
@@ -80,11 +82,7 @@ def add_files_and_batches(
 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> Response:
-        try:
-            req = CreateBatchRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            raise validation_error(list(exc.errors())) from None
-        return json_response(batches.create(req))
+        return json_response(batches.create(await parse_body(request, CreateBatchRequest, max_body_bytes)))
 
     @app.get("/v1/batches")
     async def list_batches(limit: int = 20, after: str | None = None) -> Response:

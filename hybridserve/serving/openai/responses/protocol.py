@@ -5,16 +5,29 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel
-
+from hybridserve.sampling_params import SamplingParams
 from hybridserve.serving.openai.errors import APIError
+from hybridserve.serving.openai.protocol import RequestModel
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
 RESPONSE_ID_PREFIX = "resp_"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# OpenAI's `include` values. Only the logprobs one adds anything here; the others are accepted and add nothing:
+# they ask for the output of built-in tools this server does not run, image inputs it does not take, or
+# encrypted reasoning (its reasoning items are plain text). Any other value is a 400 naming it.
+Includable = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
 
 
 def new_id(prefix: str) -> str:
@@ -39,8 +52,9 @@ def response_not_found(response_id: str, param: str | None = None) -> APIError:
     return APIError(404, f"Response with id '{response_id}' not found.", param=param, code="not_found")
 
 
-class ResponsesRequest(BaseModel):
-    """The fields this server reads; unknown fields are ignored, as OpenAI clients send extras."""
+class ResponsesRequest(RequestModel):
+    """The fields this server reads, strict as Chat's (see openai/protocol.py); unknown fields are ignored, as
+    OpenAI clients send extras."""
 
     input: str | list[dict[str, Any]]
     model: str | None = None
@@ -59,7 +73,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
-    include: list[str] | None = None
+    include: list[Includable] | None = None
     truncation: str | None = None
     prompt_cache_key: str | None = None
     background: bool | None = None
@@ -206,8 +220,9 @@ def usage(chat_usage: dict[str, Any], reasoning_tokens: int = 0) -> dict[str, An
     }
 
 
-def base_response(req: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:
-    """The response object before any output: status in_progress, every field the schema wants present.
+def base_response(req: ResponsesRequest, response_id: str, model: str, params: SamplingParams) -> dict[str, Any]:
+    """The response object before any output: status in_progress, every field the schema wants present;
+    temperature and top_p as sampled (`params`: the request's, else the model's defaults).
 
     `usage` is added once known (the schema does not allow it to be null)."""
     body: dict[str, Any] = {
@@ -226,11 +241,11 @@ def base_response(req: ResponsesRequest, response_id: str, model: str) -> dict[s
         "previous_response_id": req.previous_response_id,
         "reasoning": req.reasoning,
         "store": bool(req.store),
-        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "temperature": params.temperature,
         "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "tool_choice": "auto" if req.tool_choice is None else req.tool_choice,
         "tools": [_echo_tool(tool) for tool in req.tools or []],
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_p": params.top_p,
         "top_logprobs": req.top_logprobs or 0,
         "truncation": req.truncation or "disabled",
         "metadata": req.metadata or {},

@@ -22,7 +22,7 @@ from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import APIError, json_response
 from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, request_priority
 from hybridserve.serving.openai.models import check_model
-from hybridserve.serving.openai.prompt import Prompt
+from hybridserve.serving.openai.prompt import Prompt, tokenized
 from hybridserve.serving.openai.protocol import SamplingRequest, list_page
 from hybridserve.serving.openai.responses.background import BackgroundRuns
 from hybridserve.serving.openai.responses.events import ResponseRun
@@ -74,7 +74,7 @@ class ResponsesService:
         req.check_supported()
         req = self.extension.apply_responses_extensions(req)
         kwargs = req.chat_template_kwargs or {}
-        tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, nested=False)
+        tools = await tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, nested=False)
         tools = required_by(tools, self.extension.required_tool_choice_mode())
         items = req.input_items(self.store.item)
         if not items:
@@ -84,12 +84,14 @@ class ResponsesService:
         sampling = SamplingRequest(
             temperature=req.temperature, top_p=req.top_p, user=req.user, skip_special_tokens=skip_special
         )
-        params = sampling.sampling_params(req.num_logprobs(), req.max_output_tokens, RENAMES, self.vocab_size)
+        params = sampling.sampling_params(
+            req.num_logprobs(), req.max_output_tokens, RENAMES, self.vocab_size, self.engine.sampling_defaults
+        )
         constraint = structured_output((req.text or {}).get("format"), tools, param="text.format", nested=False)
         if not tools.forced:
             constraint = self.extension.structured_output(constraint, kwargs)
         params = dataclasses.replace(params, structured_output=constraint)
-        prompt = self._prompt(
+        prompt = await self._prompt(
             req.instructions, conversation, len(items), tools, params.max_tokens, req.truncation, kwargs
         )
         params = fit_to_context(
@@ -101,7 +103,7 @@ class ResponsesService:
             renames=RENAMES,
         )
         response_id = new_id("resp")
-        base = base_response(req, response_id, self.engine.model_name)
+        base = base_response(req, response_id, self.engine.model_name, params)
         if req.return_token_ids:
             base["prompt_token_ids"] = prompt.ids
         if req.background:
@@ -197,7 +199,7 @@ class ResponsesService:
         data, has_more = page
         return list_page(data, has_more)
 
-    def _prompt(
+    async def _prompt(
         self,
         instructions: str | None,
         conversation: list[dict[str, Any]],
@@ -215,11 +217,12 @@ class ResponsesService:
         messages = conversation_messages(conversation)
         num_input = len(conversation_messages(conversation[len(conversation) - num_input :]))
 
-        def render(kept: list[dict[str, Any]]) -> Prompt:
+        async def render(kept: list[dict[str, Any]]) -> Prompt:
             history = self.extension.prepare_responses_history(system + kept)
-            return self.renderer.render(history, tools.template_tools(), template_kwargs, param="input")
+            text = self.renderer.render(history, tools.template_tools(), template_kwargs, param="input")
+            return await tokenized(self.engine.tokenizer, text)
 
-        prompt = render(messages)
+        prompt = await render(messages)
         room = self.engine.max_model_len - (max_tokens or 1)
         if truncation != "auto" or len(prompt.ids) <= room:
             return prompt
@@ -228,7 +231,7 @@ class ResponsesService:
         droppable = [i for i in range(newest) if messages[i]["role"] not in ("system", "developer")]
         for n in range(1, len(droppable) + 1):
             dropped = set(droppable[:n])
-            kept = render([m for i, m in enumerate(messages) if i not in dropped])
+            kept = await render([m for i, m in enumerate(messages) if i not in dropped])
             if len(kept.ids) <= room:
                 return kept
         return prompt
