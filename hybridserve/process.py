@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 _PR_SET_PDEATHSIG = 1
+_IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 _POLL_MS = 200
 JOIN_TIMEOUT_S = 5.0
 
@@ -103,7 +104,15 @@ class ChildProcesses:
         self.processes: list[BaseProcess] = []
 
     def address(self, name: str) -> str:
-        return f"ipc://{self.socket_dir}/{name}"
+        """The ipc address of socket `name`; ValueError when the path would not fit a Unix socket address
+        (with room for a worker's `-kv` events socket beside it)."""
+        path = f"{self.socket_dir}/{name}"
+        if len(path) + len("-kv") > _IPC_PATH_MAX:
+            raise ValueError(
+                f"the socket path {path} is longer than a Unix socket allows ({_IPC_PATH_MAX} bytes with its -kv "
+                "sibling): set TMPDIR to a shorter directory"
+            )
+        return f"ipc://{path}"
 
     def bind_push(self, name: str) -> tuple[zmq.Socket, str]:
         """A bound PUSH socket (synchronous: below its high-water mark a send never blocks) and its address."""

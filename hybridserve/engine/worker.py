@@ -133,7 +133,7 @@ class EngineWorker:
     def _bind_events(self, listen: str) -> str:
         parts = urlsplit(listen)
         if parts.scheme == "ipc":
-            address = f"{listen}-events"
+            address = f"{listen}-kv"
             self.pub.bind(address)
             return address
         port = self.pub.bind_to_random_port(f"tcp://{parts.hostname}")

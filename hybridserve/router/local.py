@@ -26,7 +26,7 @@ class LocalWorkers:
         self.hf_dir = hf_dir
         self.model_name = model_name
         self.children = ChildProcesses("workers")
-        self.links = [WorkerLink(f"local-{i}", self.children.address(f"worker-{i}")) for i in range(count)]
+        self.links = [WorkerLink(f"local-{i}", self.children.address(f"w{i}")) for i in range(count)]
         for link in self.links:
             self.start(link)
 

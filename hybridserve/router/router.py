@@ -106,7 +106,7 @@ class Router:
         self._queue: asyncio.Queue[EngineCoreOutputs] | None = None
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}  # per worker: its readers
         self._maintenance: asyncio.Task[None] | None = None
-        self._up = asyncio.Event()
+        self._settled = asyncio.Event()  # no worker is still opening its first session
 
     # ---- start-up (before the event loop)
 
@@ -158,6 +158,9 @@ class Router:
             waiting = [f"worker {name}: no answer within {timeout_s:g}s" for name in pending]
             problems = [f"worker {w.name}: {w.error}" for w in self.links if w.error]
             raise EngineUnavailable("no engine worker is available: " + "; ".join(problems + waiting))
+        for link in self.links:
+            if link.name in pending:  # the others are up: it is retried in the background
+                self._set_state(link, WorkerState.DOWN, "no answer at start-up")
         assert self.identity is not None
         self.policy = Policy(
             self.settings.routing, self.identity.facts.block_size, self.settings.temperature, self.settings.seed
@@ -192,11 +195,9 @@ class Router:
         if self._queue is not None:
             return
         self._queue = asyncio.Queue()
-        for link in self.links:
-            if link.state is WorkerState.REFUSED:
+        for link in self.links:  # the workers accepted at start-up are still CONNECTING: their sessions open now
+            if link.state is not WorkerState.CONNECTING:
                 link.retry_at = time.monotonic() + HEARTBEAT_S
-            else:
-                self._set_state(link, WorkerState.CONNECTING, None)
         self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
 
     async def _maintain(self) -> None:
@@ -275,10 +276,10 @@ class Router:
             log = logger.info if state in (WorkerState.UP, WorkerState.CONNECTING) else logger.warning
             log("worker %s: %s%s", link.name, state, f" ({why})" if why else "")
         link.state, link.error = state, why
-        if state is WorkerState.UP:
-            self._up.set()
-        elif not any(w.state is WorkerState.UP for w in self.links):
-            self._up.clear()
+        if any(w.state is WorkerState.CONNECTING for w in self.links):
+            self._settled.clear()
+        else:
+            self._settled.set()
 
     async def _read(self, link: WorkerLink) -> None:
         assert self._queue is not None
@@ -342,9 +343,9 @@ class Router:
     async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         """Routes requests that belong together (the choices of one request) to one worker."""
         self._ensure_started()
-        if not self._up.is_set() and any(w.state is WorkerState.CONNECTING for w in self.links):
-            with contextlib.suppress(TimeoutError):  # right after start-up the sessions are still being opened
-                await asyncio.wait_for(self._up.wait(), self.settings.worker_timeout_s)
+        if not self._settled.is_set():  # right after start-up: routing waits until every session is open
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._settled.wait(), self.settings.worker_timeout_s)
         link = self._pick(requests[0].prompt_token_ids)
         for request in requests:
             link.requests[request.request_id] = len(request.prompt_token_ids)

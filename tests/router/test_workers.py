@@ -233,7 +233,7 @@ def test_the_router_index_equals_each_workers_cache(workers, smollm2_dir: Path) 
     router = engine.client
 
     async def run() -> None:
-        ids = [engine.tokenizer.encode(p) * 3 for p in PROMPTS]
+        ids = [engine.tokenizer.encode((p + " ") * 10) for p in PROMPTS]  # several full blocks each
         params = SamplingParams(max_tokens=4, temperature=0)
 
         async def one(i: int) -> None:
@@ -242,8 +242,8 @@ def test_the_router_index_equals_each_workers_cache(workers, smollm2_dir: Path) 
 
         await asyncio.gather(*(one(i) for i in range(12)))
         await asyncio.sleep(0.5)  # the last event batches are on their way
-        for url in urls:
-            await _wait_synced(router, url)
+        held = [await _wait_synced(router, url) for url in urls]
+        assert all(held), f"blocks held per worker: {held}"  # both workers served and cached something
 
     try:
         asyncio.run(run())
@@ -251,7 +251,8 @@ def test_the_router_index_equals_each_workers_cache(workers, smollm2_dir: Path) 
         engine.shutdown()
 
 
-async def _wait_synced(router, url: str) -> None:
+async def _wait_synced(router, url: str) -> int:
+    """Waits until the router's index has the worker's latest batch, checks they agree; the blocks it holds."""
     ctx = zmq.asyncio.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
@@ -267,8 +268,9 @@ async def _wait_synced(router, url: str) -> None:
                 break
             await asyncio.sleep(0.1)
         assert mirror.seq == actual.seq
-        assert mirror.blocks == set(actual.blocks) and mirror.blocks
+        assert mirror.blocks == set(actual.blocks)
         assert mirror.snapshots == set(actual.snapshots)
+        return len(actual.blocks)
     finally:
         ctx.destroy(linger=0)
 
