@@ -9,8 +9,8 @@ hit rate (prompt tokens served from cache over prompt tokens), TTFT p50/p99, out
 (the larger worker's share of computed prompt tokens and of requests over the smaller one's). Writes
 <out>/routing_<stamp>.csv and .png, prints a markdown table.
 
-  .venv/bin/python benchmarks/routing.py                        # every configuration, default workload
-  .venv/bin/python benchmarks/routing.py --tenants 3 --conversations 4 --turns 3
+  .venv/bin/python -m benchmarks.routing                        # every configuration, default workload
+  .venv/bin/python -m benchmarks.routing --tenants 3 --conversations 4 --turns 3
 """
 
 from __future__ import annotations

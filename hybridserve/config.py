@@ -158,6 +158,11 @@ class DeploymentConfig:
         "how a new request picks its worker (default: kv_aware with more than one worker)",
         choices=ROUTING,
     )
+    routing_prefix_weight: float = setting(
+        4.0,
+        "kv_aware: what one KV block of the prompt already cached on a worker is worth against one block of load "
+        "there (higher: stronger affinity, less balance)",
+    )
     routing_temperature: float = setting(
         0.0, "kv_aware and least_load: 0 picks the cheapest worker; above 0 draws among near-equal ones"
     )
@@ -179,6 +184,11 @@ class DeploymentConfig:
             raise InvalidParameter(
                 "routing_temperature",
                 f"routing_temperature must be a finite number >= 0, got {self.routing_temperature}",
+            )
+        if not 0 < self.routing_prefix_weight < float("inf"):
+            raise InvalidParameter(
+                "routing_prefix_weight",
+                f"routing_prefix_weight must be a positive finite number, got {self.routing_prefix_weight}",
             )
         if not 0 < self.worker_timeout < float("inf"):
             raise InvalidParameter("worker_timeout", f"worker_timeout must be positive, got {self.worker_timeout}")

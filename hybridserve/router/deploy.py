@@ -50,6 +50,7 @@ def build_engine(
         deployment.worker_timeout,
         deployment.worker_api_key or os.environ.get(WORKER_API_KEY_ENV, ""),
         config.seed,
+        deployment.routing_prefix_weight,
     )
     count = deployment.local_workers
     local = LocalWorkers(config, hf_dir, resolved.name, count) if count else None

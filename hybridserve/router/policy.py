@@ -1,16 +1,20 @@
 """Routing policies: which worker takes a new request (and every choice of it).
 
 Each policy sees the candidates (workers that are up), each with its load and, for the KV-aware policy, how
-many leading blocks of the prompt it holds. Load is counted by the router itself, in tokens, the moment a
-request is routed (prompt plus what it has generated so far, until it finishes), not when a worker reports it,
-so a burst of requests does not all land on the worker that looked idle a moment ago.
+many leading blocks of the prompt it holds. Load is counted by the router itself, in tokens the worker computes,
+the moment a request is routed (the prompt tokens it did not hold, plus what the request has generated so far,
+until it finishes), not when a worker reports it, so a burst of requests does not all land on the worker that
+looked idle a moment ago.
 
-KV-aware cost, lowest wins: `(prompt_blocks - matched_blocks) + load_tokens / block_size`, both in KV blocks:
-the blocks this worker would have to prefill plus the blocks its running requests hold. A prefix every worker
-holds (a shared system prompt) cancels out and load decides, so it cannot make one worker win everything; a
-prefix only one worker holds wins while that worker's extra load is smaller than the prefill it saves.
-Ties go to the less loaded worker, then round robin. With a temperature above zero, a worker is drawn from
-the softmax of the costs divided by the largest one (so the temperature does not depend on prompt length).
+KV-aware cost, lowest wins: `w * (prompt_blocks - matched_blocks) + load_tokens / block_size`, in KV blocks: the
+blocks this worker would have to prefill, weighted, plus the blocks of work it has in flight. A prefix every
+worker holds (a shared system prompt) cancels out and load decides, so it cannot make one worker win everything;
+a prefix only one worker holds wins while that worker's extra load is below w times the prefill it saves. w
+(`--routing-prefix-weight`, default 4) is above 1 because a miss costs more than its prefill: the blocks it
+fills evict other prefixes, and with w = 1 conversations drifted between workers and both ended up holding
+every tenant's prompt (docs/benchmarks.md). Ties go to the less loaded worker, then round robin. With a
+temperature above zero, a worker is drawn from the softmax of the costs divided by the largest one (so the
+temperature does not depend on prompt length).
 docs/deployment.md compares this with the peers' cost functions.
 """
 
@@ -38,12 +42,15 @@ class Candidate:
 class Policy:
     """Picks among candidates given in a fixed order (the deployment's worker order)."""
 
-    def __init__(self, routing: Routing, block_size: int, temperature: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self, routing: Routing, block_size: int, temperature: float = 0.0, seed: int = 0, prefix_weight: float = 4.0
+    ) -> None:
         if temperature < 0 or not math.isfinite(temperature):
             raise ValueError(f"routing temperature must be a finite number >= 0, got {temperature}")
         self.routing = routing
         self.block_size = block_size
         self.temperature = temperature
+        self.prefix_weight = prefix_weight
         self._next = 0  # round-robin position, also the tie-breaker
         self._random = random.Random(seed)
 
@@ -55,7 +62,8 @@ class Policy:
         if self.routing is Routing.LEAST_LOAD:
             costs = [float(c.load_tokens) for c in candidates]
         else:
-            costs = [prompt_blocks - c.matched_blocks + c.load_tokens / self.block_size for c in candidates]
+            w = self.prefix_weight
+            costs = [w * (prompt_blocks - c.matched_blocks) + c.load_tokens / self.block_size for c in candidates]
         if self.temperature > 0 and len(candidates) > 1:
             return self._sample(candidates, costs)
         best = min(costs)

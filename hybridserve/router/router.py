@@ -68,6 +68,7 @@ class RouterSettings:
     worker_timeout_s: float = 10.0  # silence after which a worker counts as down
     secret: str = ""  # the workers' shared secret
     seed: int = 0
+    prefix_weight: float = 4.0  # kv_aware: a cached block against a block of load
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,11 @@ class Router:
                 self._set_state(link, WorkerState.DOWN, "no answer at start-up")
         assert self.identity is not None
         self.policy = Policy(
-            self.settings.routing, self.identity.facts.block_size, self.settings.temperature, self.settings.seed
+            self.settings.routing,
+            self.identity.facts.block_size,
+            self.settings.temperature,
+            self.settings.seed,
+            self.settings.prefix_weight,
         )
 
     def _check(self, link: WorkerLink, identity: WorkerIdentity) -> str | None:
@@ -346,13 +351,17 @@ class Router:
         if not self._settled.is_set():  # right after start-up: routing waits until every session is open
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), self.settings.worker_timeout_s)
-        link = self._pick(requests[0].prompt_token_ids)
-        for request in requests:
-            link.requests[request.request_id] = len(request.prompt_token_ids)
+        prompt = requests[0].prompt_token_ids
+        link, matched = self._pick(prompt)
+        # Its load: the prompt tokens the worker must compute (the first choice; the others hit its cache).
+        uncached = len(prompt) - matched * self.facts.block_size
+        for k, request in enumerate(requests):
+            link.requests[request.request_id] = uncached if k == 0 else 0
             self._owner[request.request_id] = link
             link.send(AddRequest(request))
 
-    def _pick(self, prompt: list[int]) -> WorkerLink:
+    def _pick(self, prompt: list[int]) -> tuple[WorkerLink, int]:
+        """The worker for a prompt, and how many of its leading blocks that worker holds."""
         up = [w for w in self.links if w.state is WorkerState.UP]
         if not up:
             raise EngineUnavailable(
@@ -372,7 +381,7 @@ class Router:
             link.matched_blocks += chosen.matched_blocks
         else:
             link.routed_misses += 1
-        return link
+        return link, chosen.matched_blocks
 
     def abort(self, request_ids: list[str]) -> None:
         by_link: dict[str, list[str]] = {}

@@ -27,10 +27,12 @@ def test_least_load_takes_the_fewest_tokens() -> None:
 
 
 def test_kv_aware_prefers_the_prefix_until_its_load_outweighs_it() -> None:
-    policy = Policy(Routing.KV_AWARE, BS)
-    # 8 of 10 blocks cached on b: b saves 8 blocks of prefill, worth 8 * 16 tokens of load.
-    assert _pick(policy, [Candidate("a", 0), Candidate("b", 7 * BS, matched_blocks=8)]) == "b"
-    assert _pick(policy, [Candidate("a", 0), Candidate("b", 9 * BS, matched_blocks=8)]) == "a"
+    policy = Policy(Routing.KV_AWARE, BS)  # a cached block is worth 4 blocks of load by default
+    # 8 of 10 blocks cached on b: b saves 8 blocks of prefill, worth 32 blocks (32 * 16 tokens) of load.
+    assert _pick(policy, [Candidate("a", 0), Candidate("b", 31 * BS, matched_blocks=8)]) == "b"
+    assert _pick(policy, [Candidate("a", 0), Candidate("b", 33 * BS, matched_blocks=8)]) == "a"
+    even = Policy(Routing.KV_AWARE, BS, prefix_weight=1.0)
+    assert _pick(even, [Candidate("a", 0), Candidate("b", 9 * BS, matched_blocks=8)]) == "a"
 
 
 def test_a_prefix_every_worker_holds_leaves_the_choice_to_load() -> None:
@@ -41,8 +43,8 @@ def test_a_prefix_every_worker_holds_leaves_the_choice_to_load() -> None:
 
 def test_ties_go_to_the_less_loaded_then_round_robin() -> None:
     policy = Policy(Routing.KV_AWARE, BS)
-    # equal cost: a has 1 more matched block and 16 more tokens of load
-    assert _pick(policy, [Candidate("a", BS, 1), Candidate("b", 0, 0)]) == "b"
+    # equal cost: a has 1 more matched block and 4 blocks more load
+    assert _pick(policy, [Candidate("a", 4 * BS, 1), Candidate("b", 0, 0)]) == "b"
     even = [Candidate("a", 0), Candidate("b", 0)]
     assert {_pick(policy, even) for _ in range(2)} == {"a", "b"}
 
