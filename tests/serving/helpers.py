@@ -70,7 +70,13 @@ async def call_until_disconnect(app, path: str, body: dict, disconnect_after: as
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {
+    await asyncio.wait_for(app(post_scope(path), receive, send), 10)
+    return sent
+
+
+def post_scope(path: str, headers: list[tuple[bytes, bytes]] = ()) -> dict:
+    """The ASGI scope of a JSON POST to `path` from a loopback client."""
+    return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
         "http_version": "1.1",
@@ -80,12 +86,10 @@ async def call_until_disconnect(app, path: str, body: dict, disconnect_after: as
         "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"content-type", b"application/json")],
+        "headers": [(b"content-type", b"application/json"), *headers],
         "client": ("127.0.0.1", 50000),
         "server": ("127.0.0.1", 8000),
     }
-    await asyncio.wait_for(app(scope, receive, send), 10)
-    return sent
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from hybridserve.serving.openai.body import DEFAULT_MAX_BODY_BYTES, OFF_LOOP_BYT
 from hybridserve.serving.openai.prompt import OFF_LOOP_SIZE
 
 from .fake_engine import FakeEngine
-from .helpers import PARIS, QUESTION, assert_error, error_body, serve_in_thread, serve_with_engine
+from .helpers import PARIS, QUESTION, assert_error, error_body, post_scope, serve_in_thread, serve_with_engine
 
 LIMIT = 4096
 MESSAGE = f"The request body is larger than this server's limit of {LIMIT} bytes (--max-request-body-bytes)."
@@ -79,22 +79,7 @@ async def post_chunks(app, chunks: list[bytes], headers: list[tuple[bytes, bytes
     async def send(message: dict) -> None:
         sent.append(message)
 
-    path = "/v1/chat/completions"
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), *headers],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-    }
-    await asyncio.wait_for(app(scope, receive, send), 10)
+    await asyncio.wait_for(app(post_scope("/v1/chat/completions", headers), receive, send), 10)
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return sent[0]["status"], json.loads(body), read
 
