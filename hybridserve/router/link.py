@@ -59,7 +59,7 @@ class WorkerLink:
     error: str | None = None  # why it is down or refused
     identity: WorkerIdentity | None = None
     stats: SchedulerStats = field(default_factory=SchedulerStats)
-    requests: dict[str, int] = field(default_factory=dict)  # request id → tokens computed for it (its load)
+    requests: dict[str, int] = field(default_factory=dict)  # request id → tokens it holds (its load)
     last_heard: float = 0.0
     failures: int = 0  # consecutive failed connects or losses, for the backoff
     restarts: int = 0  # times a local worker's process was started again

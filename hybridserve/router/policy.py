@@ -1,13 +1,14 @@
 """Routing policies: which worker takes a new request (and every choice of it).
 
 Each policy sees the candidates (workers that are up), each with its load and, for the KV-aware policy, how
-many leading blocks of the prompt it holds. Load is counted by the router itself, in tokens the worker computes,
-the moment a request is routed (the prompt tokens it did not hold, plus what the request has generated so far,
-until it finishes), not when a worker reports it, so a burst of requests does not all land on the worker that
-looked idle a moment ago.
+many leading blocks of the prompt it holds. Load is counted by the router itself, in the tokens its requests
+hold in the worker's KV cache (prompt plus output so far, until each finishes), the moment a request is routed,
+not when a worker reports it, so a burst of requests does not all land on the worker that looked idle a moment
+ago. (Counting only the prompt tokens a worker must compute looked fairer, but then requests whose prompts a
+worker holds cost it almost nothing, and sixteen of them went to one worker while the other idled.)
 
 KV-aware cost, lowest wins: `w * (prompt_blocks - matched_blocks) + load_tokens / block_size`, in KV blocks: the
-blocks this worker would have to prefill, weighted, plus the blocks of work it has in flight. A prefix every
+blocks this worker would have to prefill, weighted, plus the blocks its running requests hold. A prefix every
 worker holds (a shared system prompt) cancels out and load decides, so it cannot make one worker win everything;
 a prefix only one worker holds wins while that worker's extra load is below w times the prefill it saves. w
 (`--routing-prefix-weight`, default 4) is above 1 because a miss costs more than its prefill: the blocks it

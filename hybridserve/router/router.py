@@ -351,17 +351,13 @@ class Router:
         if not self._settled.is_set():  # right after start-up: routing waits until every session is open
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), self.settings.worker_timeout_s)
-        prompt = requests[0].prompt_token_ids
-        link, matched = self._pick(prompt)
-        # Its load: the prompt tokens the worker must compute (the first choice; the others hit its cache).
-        uncached = len(prompt) - matched * self.facts.block_size
-        for k, request in enumerate(requests):
-            link.requests[request.request_id] = uncached if k == 0 else 0
+        link = self._pick(requests[0].prompt_token_ids)
+        for request in requests:  # its load: the tokens it holds in the worker's KV cache, prompt and output
+            link.requests[request.request_id] = len(request.prompt_token_ids)
             self._owner[request.request_id] = link
             link.send(AddRequest(request))
 
-    def _pick(self, prompt: list[int]) -> tuple[WorkerLink, int]:
-        """The worker for a prompt, and how many of its leading blocks that worker holds."""
+    def _pick(self, prompt: list[int]) -> WorkerLink:
         up = [w for w in self.links if w.state is WorkerState.UP]
         if not up:
             raise EngineUnavailable(
@@ -381,7 +377,7 @@ class Router:
             link.matched_blocks += chosen.matched_blocks
         else:
             link.routed_misses += 1
-        return link, chosen.matched_blocks
+        return link
 
     def abort(self, request_ids: list[str]) -> None:
         by_link: dict[str, list[str]] = {}

@@ -15,8 +15,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -275,12 +277,16 @@ async def _wait_synced(router, url: str) -> int:
         ctx.destroy(linger=0)
 
 
-def _stream(base: str, content: str, max_tokens: int) -> tuple[list[str], dict | None]:
-    """A streamed chat completion: its text pieces and the error object, if the stream ended with one."""
+def _stream(
+    base: str, content: str, max_tokens: int, streaming: Callable[[], None] = lambda: None
+) -> tuple[list[str], dict | None]:
+    """A streamed greedy chat completion of exactly `max_tokens` tokens: its text pieces and the error object,
+    if the stream ended with one. `streaming()` is called once its second piece has arrived."""
     body = {
         "model": "smollm2",
         "temperature": 0,
         "max_tokens": max_tokens,
+        "ignore_eos": True,
         "stream": True,
         "messages": [{"role": "user", "content": content}],
     }
@@ -296,26 +302,27 @@ def _stream(base: str, content: str, max_tokens: int) -> tuple[list[str], dict |
                 return pieces, chunk["error"]
             for choice in chunk["choices"]:
                 pieces.append(choice["delta"].get("content") or "")
+                if len(pieces) == 2:
+                    streaming()
     return pieces, None
 
 
 def test_kill_9_fails_only_the_dead_workers_streams_and_it_rejoins(frontend, workers) -> None:
     urls, procs = workers["urls"], workers["procs"]
-    expected = {p: "".join(_stream(frontend, p, 48)[0]) for p in PROMPTS}  # greedy, one at a time
+    expected = {p: "".join(_stream(frontend, p, 64)[0]) for p in PROMPTS}  # greedy, one at a time
     prompts = PROMPTS * 2  # 16 concurrent streams over the two workers
-    killed = False
+    streaming = threading.Semaphore(0)
 
     async def run() -> list[tuple[list[str], dict | None]]:
         loop = asyncio.get_running_loop()
-        tasks = [loop.run_in_executor(None, _stream, frontend, p, 48) for p in prompts]
-        await asyncio.sleep(2.0)  # every stream has started
-        procs["b"].signal(signal.SIGKILL)
-        nonlocal killed
-        killed = True
-        return await asyncio.gather(*tasks)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            tasks = [loop.run_in_executor(pool, _stream, frontend, p, 64, streaming.release) for p in prompts]
+            for _ in prompts:  # every stream is under way, none can have finished
+                assert await loop.run_in_executor(None, streaming.acquire, True, TIMEOUT_S), "a stream never started"
+            procs["b"].signal(signal.SIGKILL)
+            return await asyncio.gather(*tasks)
 
     results = asyncio.run(run())
-    assert killed
     failed = [(p, err) for p, (_, err) in zip(prompts, results, strict=True) if err is not None]
     finished = [(p, "".join(pieces)) for p, (pieces, err) in zip(prompts, results, strict=True) if err is None]
     assert failed and finished, results
@@ -332,7 +339,7 @@ def test_kill_9_fails_only_the_dead_workers_streams_and_it_rejoins(frontend, wor
 
 def test_a_stopped_worker_is_bounded_by_the_heartbeat_deadline(frontend, workers) -> None:
     urls, procs = workers["urls"], workers["procs"]
-    _wait_until(lambda: _states(frontend).get(urls["a"]) == "up", "worker a up")
+    _wait_until(lambda: _states(frontend).get(urls["a"]) == _states(frontend).get(urls["b"]) == "up", "both up")
     procs["a"].signal(signal.SIGSTOP)
     try:
         start = time.monotonic()
