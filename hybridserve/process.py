@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import sys
@@ -18,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -88,6 +90,31 @@ class ChildEnd:
         self.outbox.send(self._encode(ChildFailed(self.name, f"{type(exc).__name__}: {exc}")))
 
 
+def remove_stale_socket_dirs(root: str | None = None) -> list[str]:
+    """Removes the socket directories (in `root`, default the temp directory) that this user's earlier parents
+    left when they were killed (SIGKILL runs no cleanup): those whose pid no longer runs. Returns them."""
+    removed = []
+    base = Path(root or tempfile.gettempdir())
+    for path in base.glob("hybridserve-*-*-*"):
+        match = re.fullmatch(r"hybridserve-[a-z]+-(\d+)-\w+", path.name)
+        if match is None or not path.is_dir() or path.stat().st_uid != os.getuid():
+            continue
+        if not _running(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def exit_description(process: BaseProcess) -> str:
     return f"{process.name} exited (exit code {process.exitcode})"
 
@@ -98,7 +125,9 @@ class ChildProcesses:
 
     def __init__(self, label: str) -> None:
         self.label = label
-        self.socket_dir = tempfile.mkdtemp(prefix=f"hybridserve-{label}-")
+        remove_stale_socket_dirs()
+        # The name carries this process's pid, so a later start can tell the directory of a killed one.
+        self.socket_dir = tempfile.mkdtemp(prefix=f"hybridserve-{label}-{os.getpid()}-")
         self._sync_ctx = zmq.Context()
         self._ctx = zmq.asyncio.Context()
         self.processes: list[BaseProcess] = []

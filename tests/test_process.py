@@ -146,3 +146,21 @@ def test_a_child_dies_with_its_parent(tmp_path):
         middle.join(WAIT_S)
         if grandchild is not None and not gone(grandchild):
             os.kill(grandchild, signal.SIGKILL)
+
+
+def test_a_killed_parents_socket_directory_is_removed_by_the_next_start(tmp_path: Path) -> None:
+    """SIGKILL runs no cleanup: the next ChildProcesses removes the directories of parents that no longer
+    run, and leaves those of living ones (and anything not named like its own) alone."""
+    from hybridserve.process import remove_stale_socket_dirs
+
+    gone = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+    gone.start()
+    gone.join(WAIT_S)
+    stale = tmp_path / f"hybridserve-workers-{gone.pid}-abc123"
+    alive = tmp_path / f"hybridserve-workers-{os.getpid()}-def456"
+    other = tmp_path / "hybridserve-notes"
+    for path in (stale, alive, other):
+        path.mkdir()
+    (stale / "w0").write_text("")  # a socket file left behind
+    assert remove_stale_socket_dirs(str(tmp_path)) == [str(stale)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, other.name])

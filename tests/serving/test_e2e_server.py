@@ -5,10 +5,12 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -296,18 +298,19 @@ def test_responses_required_tool_choice_gives_a_valid_call(client):
 def test_sigterm_stops_the_workers_and_removes_their_sockets(tmp_path):
     """A supervisor's SIGTERM: the server, its engine worker and post-processing worker all exit, and the
     socket directories they used under $TMPDIR are gone."""
-    sockets = tmp_path / "tmp"
-    sockets.mkdir()
-    env = {**os.environ, "TMPDIR": str(sockets)}
-    with running_server(tmp_path / "server.log", "--num-postprocess-workers", "1", env=env) as (_, proc):
-        assert sorted(p.name.rsplit("-", 1)[0] for p in sockets.glob("hybridserve-*")) == [
-            "hybridserve-postprocess",
-            "hybridserve-workers",
-        ]
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-    assert proc.returncode == -signal.SIGTERM  # uvicorn's shutdown re-raises the signal, after ours
-    assert list(sockets.glob("hybridserve-*")) == []  # (torch keeps its own compile cache there)
+    sockets = Path(tempfile.mkdtemp(prefix="hs-"))  # short: socket paths must fit a Unix socket address
+    try:
+        env = {**os.environ, "TMPDIR": str(sockets)}
+        with running_server(tmp_path / "server.log", "--num-postprocess-workers", "1", env=env) as (_, proc):
+            names = sorted(p.name for p in sockets.glob("hybridserve-*"))
+            pid = proc.pid
+            assert [re.sub(rf"-{pid}-\w+$", "", n) for n in names] == ["hybridserve-postprocess", "hybridserve-workers"]
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        assert proc.returncode == -signal.SIGTERM  # uvicorn's shutdown re-raises the signal, after ours
+        assert list(sockets.glob("hybridserve-*")) == []  # (torch keeps its own compile cache there)
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 @pytest.mark.slow  # two server start-ups and a third that is refused before it loads a model
