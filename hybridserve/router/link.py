@@ -60,6 +60,7 @@ class WorkerLink:
     identity: WorkerIdentity | None = None
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     requests: dict[str, int] = field(default_factory=dict)  # request id → tokens it holds (its load)
+    load_tokens: int = 0  # the sum over `requests`, kept as they change: routing reads it for every request
     last_heard: float = 0.0
     failures: int = 0  # consecutive failed connects or losses, for the backoff
     restarts: int = 0  # times a local worker's process was started again
@@ -71,9 +72,20 @@ class WorkerLink:
     sock: zmq.asyncio.Socket | None = None
     events: zmq.asyncio.Socket | None = None
 
-    @property
-    def load_tokens(self) -> int:
-        return sum(self.requests.values())
+    def hold(self, request_id: str, tokens: int) -> None:
+        self.requests[request_id] = tokens
+        self.load_tokens += tokens
+
+    def grow(self, request_id: str, tokens: int) -> None:
+        self.requests[request_id] += tokens
+        self.load_tokens += tokens
+
+    def release(self, request_id: str) -> None:
+        self.load_tokens -= self.requests.pop(request_id)
+
+    def release_all(self) -> None:
+        self.requests.clear()
+        self.load_tokens = 0
 
     def send(self, msg: EngineInput) -> None:
         if self.sock is not None:

@@ -316,10 +316,10 @@ class Router:
             if out.request_id not in link.requests:
                 continue
             if out.finish_reason is not None:
-                del link.requests[out.request_id]
+                link.release(out.request_id)
                 self._owner.pop(out.request_id, None)
             else:
-                link.requests[out.request_id] += len(out.new_token_ids)
+                link.grow(out.request_id, len(out.new_token_ids))
 
     def _mark_down(self, link: WorkerLink, why: str) -> None:
         """Fails exactly the requests this worker held; the others go on. It is retried with backoff."""
@@ -335,7 +335,7 @@ class Router:
         ]
         for rid in link.requests:
             self._owner.pop(rid, None)
-        link.requests.clear()
+        link.release_all()
         link.stats = SchedulerStats()
         self._retry_later(link, WorkerState.DOWN, why)
         if failed:
@@ -353,7 +353,7 @@ class Router:
                 await asyncio.wait_for(self._settled.wait(), self.settings.worker_timeout_s)
         link = self._pick(requests[0].prompt_token_ids)
         for request in requests:  # its load: the tokens it holds in the worker's KV cache, prompt and output
-            link.requests[request.request_id] = len(request.prompt_token_ids)
+            link.hold(request.request_id, len(request.prompt_token_ids))
             self._owner[request.request_id] = link
             link.send(AddRequest(request))
 
