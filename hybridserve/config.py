@@ -12,6 +12,8 @@ from hybridserve.sampling_params import InvalidParameter
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GENERATION_CONFIGS = ("auto", "none")
+ROLES = ("both", "prefill", "decode")
+TRANSFER_FAILURE_POLICIES = ("fail", "recompute")
 _UNITS = {
     "": 1,
     "b": 1,
@@ -100,6 +102,28 @@ class EngineConfig:
     num_threads: int | None = setting(
         None, "CPU threads of each engine worker (default: the machine's cores, divided among --num-workers)"
     )
+    role: str = setting(
+        "both",
+        "worker: both (prefill and decode its requests), prefill (also hold a prefilled request's KV and state for "
+        "a decode worker to read over NIXL) or decode (also read them from prefill workers)",
+        choices=ROLES,
+    )
+    kv_lease: float = setting(
+        30.0, "prefill worker: seconds it holds a prefilled request's KV with no word from the decode worker"
+    )
+    kv_transfer_timeout: float = setting(
+        10.0, "decode worker: seconds a KV and state read may take before it is cancelled (a hung prefill worker)"
+    )
+    kv_transfer_max_bytes: int = setting(
+        1024**3,
+        "decode worker: bytes of KV and state reads in flight at once; more wait their turn (one always runs)",
+        type=parse_bytes,
+    )
+    kv_transfer_failure: str = setting(
+        "fail",
+        "decode worker, when a read fails or times out: fail the request, or recompute its prompt here",
+        choices=TRANSFER_FAILURE_POLICIES,
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -122,6 +146,20 @@ class EngineConfig:
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidParameter("num_kv_blocks", f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.role not in ROLES:
+            raise InvalidParameter("role", f"role must be one of {ROLES}, got {self.role!r}")
+        if self.kv_transfer_failure not in TRANSFER_FAILURE_POLICIES:
+            raise InvalidParameter(
+                "kv_transfer_failure",
+                f"kv_transfer_failure must be one of {TRANSFER_FAILURE_POLICIES}, got {self.kv_transfer_failure!r}",
+            )
+        for name in ("kv_lease", "kv_transfer_timeout"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise InvalidParameter(name, f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.kv_transfer_max_bytes < 1:
+            raise InvalidParameter(
+                "kv_transfer_max_bytes", f"kv_transfer_max_bytes must be positive, got {self.kv_transfer_max_bytes}"
+            )
         if self.long_prefill_token_threshold < 0:
             raise InvalidParameter(
                 "long_prefill_token_threshold",
@@ -172,11 +210,48 @@ class DeploymentConfig:
     worker_api_key: str | None = setting(
         None, "the shared secret remote workers expect (their --api-key); $HYBRIDSERVE_WORKER_API_KEY also sets it"
     )
+    prefill_workers: list[str] | None = setting(
+        None,
+        "disaggregated: a remote prefill worker (`hybridserve worker --role prefill`), as tcp://HOST:PORT; repeat",
+        flag="--prefill-worker",
+        metavar="URL",
+    )
+    decode_workers: list[str] | None = setting(
+        None,
+        "disaggregated: a remote decode worker (`hybridserve worker --role decode`), as tcp://HOST:PORT; repeat",
+        flag="--decode-worker",
+        metavar="URL",
+    )
+    num_prefill_workers: int = setting(0, "disaggregated: prefill workers to start on this host")
+    num_decode_workers: int = setting(0, "disaggregated: decode workers to start on this host")
+    max_local_prefill_tokens: int = setting(
+        256,
+        "disaggregated: a decode worker prefills a request itself when the part of its prompt it does not hold "
+        "is at most this many tokens (0: every request is prefilled by a prefill worker)",
+    )
 
     def __post_init__(self) -> None:
         if self.num_workers is not None and self.num_workers < 0:
             raise InvalidParameter("num_workers", f"num_workers must be >= 0, got {self.num_workers}")
-        if self.local_workers + len(self.workers or ()) < 1:
+        for name in ("num_prefill_workers", "num_decode_workers", "max_local_prefill_tokens"):
+            if getattr(self, name) < 0:
+                raise InvalidParameter(name, f"{name} must be >= 0, got {getattr(self, name)}")
+        prefill = self.num_prefill_workers + len(self.prefill_workers or ())
+        decode = self.num_decode_workers + len(self.decode_workers or ())
+        if bool(prefill) != bool(decode):
+            missing = "decode" if prefill else "prefill"
+            raise InvalidParameter(
+                f"{missing}_workers",
+                f"a disaggregated deployment needs {missing} workers too: --num-{missing}-workers or "
+                f"--{missing}-worker (it has {prefill} prefill and {decode} decode workers)",
+            )
+        if prefill and (self.num_workers or self.workers):
+            raise InvalidParameter(
+                "workers",
+                "a deployment is either aggregated (--num-workers, --worker) or disaggregated (prefill and decode "
+                "workers), not both",
+            )
+        if self.local_workers + len(self.workers or ()) + prefill + decode < 1:
             raise InvalidParameter("num_workers", "a deployment needs at least one worker: --num-workers or --worker")
         if self.routing is not None and self.routing not in ROUTING:
             raise InvalidParameter("routing", f"routing must be one of {ROUTING}, got {self.routing!r}")
@@ -194,14 +269,32 @@ class DeploymentConfig:
             raise InvalidParameter("worker_timeout", f"worker_timeout must be positive, got {self.worker_timeout}")
 
     @property
+    def disaggregated(self) -> bool:
+        return bool(self.num_prefill_workers or self.prefill_workers)
+
+    @property
     def local_workers(self) -> int:
-        return self.num_workers if self.num_workers is not None else 0 if self.workers else 1
+        """Aggregated workers to start on this host."""
+        if self.num_workers is not None:
+            return self.num_workers
+        return 0 if self.workers or self.disaggregated else 1
+
+    @property
+    def num_all_workers(self) -> int:
+        pools = self.num_prefill_workers + self.num_decode_workers
+        return (
+            self.local_workers
+            + len(self.workers or ())
+            + pools
+            + len(self.prefill_workers or ())
+            + len(self.decode_workers or ())
+        )
 
     @property
     def routing_policy(self) -> str:
         if self.routing is not None:
             return self.routing
-        return "kv_aware" if self.local_workers + len(self.workers or ()) > 1 else "round_robin"
+        return "kv_aware" if self.num_all_workers > 1 else "round_robin"
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,16 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 from typing import NamedTuple
 
+import msgspec
 import torch
 import xgrammar as xgr
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.events import KVEventLog
 from hybridserve.engine.cache.manager import KVCacheManager
+from hybridserve.engine.identity import weights_fingerprint
+from hybridserve.engine.kv_transfer.connector import KVConnector, TransferSettings
+from hybridserve.engine.kv_transfer.messages import RemoteDecode, RemotePrefill
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.plan import SchedulerOutput
 from hybridserve.engine.prompt_limits import prompt_problem
@@ -22,8 +26,9 @@ from hybridserve.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    SchedulerStats,
 )
-from hybridserve.engine.request import Request
+from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.structured_output import GrammarBitmask, GrammarCompiler, SequenceGrammar, TokenMask
 from hybridserve.engine.throughput_log import ThroughputLog
@@ -32,6 +37,8 @@ logger = logging.getLogger("hybridserve.engine")
 
 # With nothing to run but compiles, the loop sleeps on them this long at most, so new messages are seen.
 _COMPILE_WAIT_S = 0.01
+# With nothing to run but KV reads in flight, the loop checks on them this often.
+_PULL_WAIT_S = 0.001
 
 
 class _Compiling(NamedTuple):
@@ -60,6 +67,20 @@ class EngineCore:
             events,
         )
         self.scheduler = Scheduler(config, self.kv, self.runner.device.type)
+        self.connector: KVConnector | None = None
+        if config.role != "both":
+            settings = TransferSettings(
+                config.role,
+                config.kv_lease,
+                config.kv_transfer_timeout,
+                config.kv_transfer_max_bytes,
+                config.kv_transfer_failure,
+            )
+            runner = self.runner
+            weights = weights_fingerprint(hf_dir)
+            self.connector = KVConnector(
+                settings, runner.layout, runner.kv_caches, runner.device, weights, self.scheduler
+            )
         self.grammar_bitmask = GrammarBitmask(self.runner.vocab_size)
         self._pending: list[EngineCoreOutput] = []
         self.grammars = GrammarCompiler(hf_dir, self.runner.vocab_size)
@@ -92,6 +113,16 @@ class EngineCore:
             return f"request id {core.request_id!r} is already in use"
         if (problem := prompt_problem(n, self.max_model_len)) is not None:
             return problem
+        transfer = core.kv_transfer
+        if transfer is not None and self.connector is None:
+            return "this worker does not take part in disaggregation (--role both)"
+        if isinstance(transfer, RemotePrefill) and self.connector is not None:
+            if (problem := self.connector.check(transfer.source)) is not None:
+                return problem
+            if transfer.source.num_tokens != n:
+                return f"the transfer covers {transfer.source.num_tokens} tokens but the prompt has {n}"
+        if isinstance(transfer, RemoteDecode) and core.sampling_params.structured_output is not None:
+            return "a request with structured output cannot be prefilled for another worker"
         bad = [t for t in core.prompt_token_ids if not 0 <= t < self.runner.vocab_size]
         if bad:
             return f"prompt token id {bad[0]} is outside the vocabulary (size {self.runner.vocab_size})"
@@ -107,24 +138,52 @@ class EngineCore:
                 compiling.request.finish(FinishReason.ABORT)
                 self._pending.append(compiling.request.output([]))
             req = self.scheduler.requests.get(rid)
-            if req is not None:
-                self.scheduler.finish(req, FinishReason.ABORT)
+            if req is None:
+                continue
+            if req.pull_from is not None and self.connector is not None and not self.connector.abort(req):
+                self._pending.append(EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT))
+                continue  # it keeps its blocks until NIXL lets its read go
+            held = req.status is RequestStatus.HELD  # its client moved on to the decode worker: nobody to tell
+            self.scheduler.finish(req, FinishReason.ABORT)
+            if not held:
                 self._pending.append(req.output([]))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or bool(self._compiling)
 
+    @property
+    def watching_transfers(self) -> bool:
+        """Held requests or reads need a look now and then even with nothing to run (acknowledgements, leases)."""
+        return self.connector is not None and self.connector.busy
+
     def step(self) -> EngineCoreOutputs:
         outputs, self._pending = self._pending, []
+        if self.connector is not None:
+            outputs.extend(self.connector.poll())
         if self._compiling:
             outputs.extend(self._admit_compiled())
         if self.scheduler.has_work():
             outputs.extend(self._step())
         elif self._compiling:  # nothing to run until a compile finishes
             wait([c.grammar for c in self._compiling.values()], _COMPILE_WAIT_S, FIRST_COMPLETED)
-        stats = self.scheduler.stats()
+        stats = self.stats()
         self.throughput.maybe_log(stats)
         return EngineCoreOutputs(outputs, stats)
+
+    def stats(self) -> SchedulerStats:
+        stats = self.scheduler.stats()
+        if self.connector is None:
+            return stats
+        c = self.connector.counters
+        return msgspec.structs.replace(
+            stats,
+            kv_pulls_done=c.pulls_done,
+            kv_pulls_failed=c.pulls_failed,
+            kv_pulled_kv_bytes=c.kv_bytes,
+            kv_pulled_state_bytes=c.state_bytes,
+            kv_pull_kv_seconds=c.kv_seconds,
+            kv_pull_state_seconds=c.state_seconds,
+        )
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Hand requests whose grammar is compiled to the scheduler (in arrival order); fail those whose
@@ -136,6 +195,8 @@ class EngineCore:
             del self._compiling[rid]
             try:
                 req.grammar = SequenceGrammar(future.result(), eos_ids)  # result() re-raises the compile's error
+                if not all(req.grammar.accept(t) for t in req.output_token_ids):  # sampled by a prefill worker
+                    raise ValueError(f"its first tokens {req.output_token_ids} do not fit the grammar")
             except Exception as exc:  # reported on this request only; the others go on
                 logger.warning("request %s: structured_output could not be compiled: %s", rid, exc)
                 req.finish(FinishReason.ERROR)
@@ -147,15 +208,26 @@ class EngineCore:
     def _step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
+        started: list[EngineCoreOutput] = []
+        admitted_pulls = bool(self.scheduler.new_pulls)
+        if self.connector is not None and admitted_pulls:
+            # The reads run on NIXL's thread while this step computes.
+            started = self.connector.start(self.scheduler.new_pulls, time.monotonic())
+            self.scheduler.new_pulls = []
         hidden = self.runner.forward(plan)  # also a plan with nothing scheduled: it may finish requests
         if not plan.scheduled:
-            return self._fail_unschedulable()
+            if self.scheduler.pulling or admitted_pulls:  # a read that failed at once may have queued a recompute
+                time.sleep(_PULL_WAIT_S)
+                return started
+            return started + self._fail_unschedulable()
         # Filled on the CPU while a GPU still runs the step's kernels.
         mask = self._grammar_mask(plan)
         sampled = self.runner.sample(plan, hidden, mask)
         outputs = self.scheduler.update(plan, sampled)
+        if self.connector is not None:
+            self.connector.hold(outputs, time.monotonic())
         self.throughput.record(plan.num_tokens, len(sampled), time.perf_counter() - start)
-        return outputs
+        return started + outputs
 
     def _grammar_mask(self, plan: SchedulerOutput) -> TokenMask | None:
         """The allowed tokens of the constrained requests that sample this step (rows as plan.sampling_ids)."""
@@ -183,7 +255,9 @@ class EngineCore:
         unknown = set(self.runner.requests) - set(self.scheduler.requests) - set(self.scheduler.finished_ids)
         if unknown:
             raise AssertionError(f"the runner keeps state of requests {sorted(unknown)} the scheduler does not hold")
+        if self.connector is not None:
+            self.connector.check_integrity()
         running_blocks = set(self.kv.req_blocks)
-        live = {r.request_id for r in self.scheduler.running}
+        live = {r.request_id for r in self.scheduler.running} | set(self.scheduler.held) | set(self.scheduler.pulling)
         if running_blocks != live:
             raise AssertionError(f"requests holding blocks {sorted(running_blocks)} != running {sorted(live)}")

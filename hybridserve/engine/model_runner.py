@@ -179,7 +179,11 @@ class ModelRunner:
         for rid in plan.finished_ids:
             self.requests.pop(rid, None)
         for new in plan.new_requests:
-            state = SamplingState.create(new.sampling_params, new.prompt_token_ids, [], new.eos_token_ids, self.device)
+            outputs = list(new.output_token_ids)
+            state = SamplingState.create(
+                new.sampling_params, new.prompt_token_ids, outputs, new.eos_token_ids, self.device
+            )
+            state.skip_draws(len(outputs), self.vocab_size)
             self.requests[new.request_id] = _RunnerRequest([], state)
         for s in plan.scheduled:
             req = self.requests.get(s.request_id)

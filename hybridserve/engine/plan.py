@@ -25,6 +25,7 @@ class NewRequest(msgspec.Struct, frozen=True, array_like=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: list[int]  # the ids that end it (none under ignore_eos); with min_tokens, masked until then
+    output_token_ids: list[int] = []  # sampled before it came here: the first token of a remotely prefilled one
 
 
 class ScheduledRequest(msgspec.Struct, frozen=True, array_like=True):

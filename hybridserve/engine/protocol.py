@@ -12,6 +12,7 @@ import enum
 import msgspec
 
 from hybridserve.engine.cache.events import CachedSet
+from hybridserve.engine.kv_transfer.messages import AddTransferPeer, KVTransfer, TransferEndpoint, TransferSource
 from hybridserve.sampling_params import SamplingParams
 
 
@@ -31,6 +32,8 @@ class EngineCoreRequest(msgspec.Struct, frozen=True):
     # Lower is served first: a request is admitted after every waiting request of a lower value and preempted
     # before any running one of a lower value. Online traffic is 0; batch jobs yield to it with a higher value.
     priority: int = 0
+    # Disaggregation: prefill here and hold the KV for a decode worker, or read it from the prefill worker.
+    kv_transfer: KVTransfer | None = None
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -56,6 +59,8 @@ class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True):
     num_cached_tokens: int = 0
     error: str | None = None
     unavailable: bool = False  # with finish reason error: the worker serving it went down (retrying may succeed)
+    # A RemoteDecode request after its first token: where its KV and state wait for the decode worker.
+    kv_transfer: TransferSource | None = None
 
 
 class SchedulerStats(msgspec.Struct, frozen=True, array_like=True):
@@ -68,6 +73,14 @@ class SchedulerStats(msgspec.Struct, frozen=True, array_like=True):
     num_state_snapshots: int = 0  # recurrent-state snapshots held (hybrid models)
     state_snapshot_usage: float = 0.0  # fraction of snapshot slots holding one
     state_snapshot_hits: int = 0  # admissions whose recurrent state was restored from a snapshot
+    kv_held: int = 0  # prefill worker: prefilled requests held for their decode worker
+    kv_pulling: int = 0  # decode worker: requests whose KV and state are being read
+    kv_pulls_done: int = 0  # decode worker: reads completed since start
+    kv_pulls_failed: int = 0  # of which failed (peer gone, error, deadline)
+    kv_pulled_kv_bytes: int = 0  # bytes of KV blocks read since start
+    kv_pulled_state_bytes: int = 0  # bytes of recurrent state read since start
+    kv_pull_kv_seconds: float = 0.0  # the KV parts' read times, summed
+    kv_pull_state_seconds: float = 0.0  # the state parts' read times, summed
 
 
 class EngineCoreOutputs(msgspec.Struct, frozen=True, array_like=True, tag=True):
@@ -99,7 +112,11 @@ class GetCachedSet(msgspec.Struct, frozen=True, array_like=True, tag=True):
     """Ask for the worker's whole prefix cache (answered with a `CachedSet`), after missing a KV event batch."""
 
 
-EngineInput = AddRequest | AbortRequests | Hello | Ping | GetCachedSet
+class CheckIntegrity(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """Ask the worker to run every cache's integrity check now (answered with an `IntegrityReport`)."""
+
+
+EngineInput = AddRequest | AbortRequests | Hello | Ping | GetCachedSet | AddTransferPeer | CheckIntegrity
 
 
 class Pong(msgspec.Struct, frozen=True, array_like=True, tag=True):
@@ -125,6 +142,7 @@ class WorkerStatus(msgspec.Struct, frozen=True):
     routed_misses: int = 0
     matched_blocks: int = 0
     restarts: int = 0  # times a local worker's process was started again after it died
+    role: str = "both"  # prefill, decode, or both
 
 
 class EngineFacts(msgspec.Struct, frozen=True, array_like=True):
@@ -158,10 +176,18 @@ class WorkerIdentity(msgspec.Struct, frozen=True, array_like=True):
 
 class Welcome(msgspec.Struct, frozen=True, array_like=True, tag=True):
     """A worker's answer to Hello: who it is, and where its KV-event PUB socket is bound (for tcp, a frontend
-    connects to that port on the host it reached the worker at)."""
+    connects to that port on the host it reached the worker at); a prefill or decode worker also says how to
+    reach its KV-transfer side."""
 
     identity: WorkerIdentity
     events_address: str
+    role: str = "both"  # prefill, decode, or both (aggregated)
+    transfer: TransferEndpoint | None = None
 
 
-WorkerOutput = EngineCoreOutputs | Pong | Refused | Welcome | CachedSet
+class IntegrityReport(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    error: str | None  # None: every check passed
+    stats: SchedulerStats
+
+
+WorkerOutput = EngineCoreOutputs | Pong | Refused | Welcome | CachedSet | IntegrityReport

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+from hybridserve.engine.kv_transfer.messages import RemoteDecode, RemotePrefill, TransferSource
 from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
 from hybridserve.sampling_params import SamplingParams
 
@@ -16,14 +17,19 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()  # queued, holds no blocks
     RUNNING = enum.auto()  # scheduled; holds blocks
     PREEMPTED = enum.auto()  # blocks taken back; waits to be recomputed from scratch
+    PULLING = enum.auto()  # decode worker: holds blocks and a state slot being filled from its prefill worker
+    HELD = enum.auto()  # prefill worker: prefilled, its blocks and state kept for the decode worker to read
     FINISHED = enum.auto()
 
 
 # Legal transitions; anything else is a scheduler bug and raises.
 _TRANSITIONS = {
-    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED},
-    RequestStatus.RUNNING: {RequestStatus.PREEMPTED, RequestStatus.FINISHED},
+    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.PULLING, RequestStatus.FINISHED},
+    RequestStatus.RUNNING: {RequestStatus.PREEMPTED, RequestStatus.HELD, RequestStatus.FINISHED},
     RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED},
+    # A read that failed under the recompute policy: the request starts again as a local prefill.
+    RequestStatus.PULLING: {RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.FINISHED},
+    RequestStatus.HELD: {RequestStatus.FINISHED},
     RequestStatus.FINISHED: set(),
 }
 
@@ -37,6 +43,13 @@ class Request:
         self.arrival_time = core.arrival_time
         self.priority = core.priority
         self.output_token_ids: list[int] = []
+        # Disaggregation: hold the KV for a decode worker after the first token (remote_decode), or read it
+        # from the prefill worker (pull_from) and go on after the first token it sampled.
+        self.remote_decode = isinstance(core.kv_transfer, RemoteDecode)
+        self.pull_from: TransferSource | None = None
+        if isinstance(core.kv_transfer, RemotePrefill):
+            self.pull_from = core.kv_transfer.source
+            self.output_token_ids.append(core.kv_transfer.first_token)
         # Tokens whose KV is in the cache (prompt and output alike).
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first scheduling
@@ -94,7 +107,11 @@ class Request:
         return False
 
     def output(
-        self, new_ids: list[int], logprobs: list[TokenLogprobs] | None = None, error: str | None = None
+        self,
+        new_ids: list[int],
+        logprobs: list[TokenLogprobs] | None = None,
+        error: str | None = None,
+        kv_transfer: TransferSource | None = None,
     ) -> EngineCoreOutput:
         """What the frontend hears of this request after a step: new tokens, and how it ended if it did."""
         return EngineCoreOutput(
@@ -106,4 +123,5 @@ class Request:
             num_prompt_tokens=len(self.prompt_token_ids),
             num_cached_tokens=self.num_cached_tokens,
             error=error,
+            kv_transfer=kv_transfer,
         )

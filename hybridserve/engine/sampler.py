@@ -49,6 +49,15 @@ class SamplingState:
             generator.manual_seed(params.seed)
         return cls(params, prompt_token_ids, output_token_ids, list(dict.fromkeys(stops)), generator)
 
+    def skip_draws(self, num_tokens: int, vocab_size: int) -> None:
+        """Advance a seeded generator past `num_tokens` tokens sampled elsewhere (a prefill worker sampled the
+        first one), so the tokens sampled here are the ones one engine would have drawn."""
+        if self.generator is None or self.params.greedy:
+            return
+        noise = torch.empty(vocab_size, dtype=torch.float32, device=self.generator.device)
+        for _ in range(num_tokens):
+            noise.uniform_(generator=self.generator)
+
     @cached_property
     def prompt_ids(self) -> torch.Tensor:
         """The prompt as a CPU int64 tensor, built once (repetition penalty reads it every step)."""

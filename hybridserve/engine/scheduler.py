@@ -11,15 +11,22 @@ the running list is kept in (priority, admission) order, so preemption takes the
 
 `schedule()` writes the step as a plain-data plan (plan.py) for the model runner, and `update(plan, sampled)`
 applies what the runner sampled; in between the scheduler touches no tensor.
+
+Disaggregation adds two states. A prefill worker's RemoteDecode request, once it sampled its first token, is
+HELD: out of the running list, its blocks and state slot kept for the decode worker to read, until released.
+A decode worker's RemotePrefill request is admitted into PULLING (blocks for its prompt and a state slot, no
+step budget) when the transfer gate lets it; the connector reads into them and calls `landed`, and from then on
+it runs like any other request, starting with the first token the prefill worker sampled.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.manager import KVCacheManager
+from hybridserve.engine.kv_transfer.messages import TransferSource
 from hybridserve.engine.plan import NewRequest, ScheduledRequest, SchedulerOutput
 from hybridserve.engine.protocol import EngineCoreOutput, FinishReason, SchedulerStats
 from hybridserve.engine.request import Request, RequestStatus
@@ -38,6 +45,12 @@ class Scheduler:
         self.num_preemptions = 0
         self._blocks_sent: dict[str, int] = {}  # per running request: how much of its block table the runner has
         self.finished_ids: list[str] = []  # ended since the last plan, after the runner had seen them
+        self.held: dict[str, Request] = {}  # prefilled for a decode worker, blocks kept until released
+        self.pulling: dict[str, Request] = {}  # blocks being filled by a read from a prefill worker
+        self.new_pulls: list[Request] = []  # admitted into pulling by the last plan: their reads start now
+        self.pull_gate: Callable[[Request], bool] = lambda req: True  # the connector's room for another read
+        self.transfer_agent = ""  # this worker's NIXL agent, named in what it holds for decode workers
+        self._introduced: list[NewRequest] = []  # landed since the last plan: the runner meets them next
 
     def add(self, request: Request) -> None:
         """Queue a new request behind every waiting request of its priority or a lower value."""
@@ -48,12 +61,12 @@ class Scheduler:
         self.waiting.insert(i, request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.pulling)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        new: list[NewRequest] = []
+        new, self._introduced = self._introduced, []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -71,8 +84,14 @@ class Scheduler:
                 budget -= n
                 i += 1
         # Admitting new work right after a preemption would only thrash the cache.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while (
+            self.waiting and budget > 0 and len(self.running) + len(self.pulling) < self.max_num_seqs and not preempted
+        ):
             req = self.waiting[0]
+            if req.pull_from is not None and req.status is RequestStatus.WAITING:
+                if not self._admit_pull(req):
+                    break
+                continue
             cached = self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = self.kv.chunk_tokens(req, num_cached, min(req.num_tokens - num_cached, budget, self.chunk_limit))
@@ -81,7 +100,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.status is RequestStatus.WAITING:  # first admission, not a resumption
                 req.num_cached_tokens = num_cached
-                new.append(NewRequest(req.request_id, req.prompt_token_ids, req.params, req.eos_token_ids))
+                new.append(self._introduce(req))
             req.move_to(RequestStatus.RUNNING)
             req.num_computed_tokens = num_cached
             self._run(req)
@@ -91,6 +110,65 @@ class Scheduler:
         ops = self.kv.take_ops()
         finished, self.finished_ids = self.finished_ids, []
         return SchedulerOutput(plan, new, finished, ops.zero, ops.restore, ops.save)
+
+    def _introduce(self, req: Request) -> NewRequest:
+        return NewRequest(
+            req.request_id, req.prompt_token_ids, req.params, req.eos_token_ids, list(req.output_token_ids)
+        )
+
+    def _admit_pull(self, req: Request) -> bool:
+        """Blocks for the prompt and a state slot, to be filled by the read the connector starts after this plan."""
+        source = req.pull_from
+        assert source is not None
+        if not self.pull_gate(req) or not self.kv.allocate(req, source.num_tokens, pulled=True):
+            return False
+        self.waiting.popleft()
+        req.num_cached_tokens = source.num_cached_tokens
+        req.move_to(RequestStatus.PULLING)
+        self.pulling[req.request_id] = req
+        self.new_pulls.append(req)
+        return True
+
+    def landed(self, req: Request) -> None:
+        """Its prompt's KV and state arrived: it runs from the first token on, and its blocks are findable."""
+        del self.pulling[req.request_id]
+        req.num_computed_tokens = len(req.prompt_token_ids)
+        self.kv.make_findable(req, req.num_computed_tokens)
+        req.move_to(RequestStatus.RUNNING)
+        self._introduced.append(self._introduce(req))
+        self._run(req)
+
+    def prefill_locally(self, req: Request) -> None:
+        """Its read failed and the policy is to recompute: it gives the blocks back and queues as a local
+        prefill of its prompt and first token (first among its priority, it has waited already)."""
+        del self.pulling[req.request_id]
+        self.kv.free(req)
+        req.pull_from = None
+        req.move_to(RequestStatus.WAITING)
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].priority < req.priority:
+            i += 1
+        self.waiting.insert(i, req)
+
+    def release_held(self, request_id: str) -> bool:
+        """The decode worker read it (or gave up, or its lease ran out): its blocks and slot go back."""
+        req = self.held.pop(request_id, None)
+        if req is None:
+            return False
+        req.finish(FinishReason.STOP)
+        self._release(req, seen=False)  # the runner forgot it when it was held
+        return True
+
+    def _hold(self, req: Request) -> TransferSource:
+        """After its first token: out of the running list, its blocks and state slot kept for the reader."""
+        req.move_to(RequestStatus.HELD)
+        self.held[req.request_id] = req
+        self._blocks_sent.pop(req.request_id, None)
+        self.finished_ids.append(req.request_id)
+        slot = self.kv.state_slot(req.request_id) if self.kv.states is not None else -1
+        prompt = len(req.prompt_token_ids)
+        blocks = self.kv.block_ids(req.request_id)[: -(-prompt // self.kv.block_size)]
+        return TransferSource(self.transfer_agent, req.request_id, blocks, slot, prompt, req.num_cached_tokens)
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         """The plan's entry for `n` tokens of `req`, whose blocks are allocated; books its snapshot."""
@@ -122,11 +200,15 @@ class Scheduler:
             if req.grammar is not None and not req.grammar.accept(result.token_id):  # the mask forbids this
                 outputs.append(self.fail(req, f"grammar rejected sampled token {result.token_id}"))
                 continue
-            req.check_stop()
-            outputs.append(req.output([result.token_id], None if result.logprobs is None else [result.logprobs]))
-        for req in [r for r in self.running if r.status is RequestStatus.FINISHED]:
+            logprobs = None if result.logprobs is None else [result.logprobs]
+            if not req.check_stop() and req.remote_decode and len(req.output_token_ids) == 1:
+                outputs.append(req.output([result.token_id], logprobs, kv_transfer=self._hold(req)))
+                continue
+            outputs.append(req.output([result.token_id], logprobs))
+        for req in [r for r in self.running if r.status in (RequestStatus.FINISHED, RequestStatus.HELD)]:
             self.running.remove(req)
-            self._release(req, seen=True)
+            if req.status is RequestStatus.FINISHED:
+                self._release(req, seen=True)
         return outputs
 
     def _run(self, req: Request) -> None:
@@ -150,11 +232,16 @@ class Scheduler:
 
     def finish(self, req: Request, reason: FinishReason, stop_reason: int | None = None) -> None:
         """End a request in any state (abort, error) and give its blocks back."""
-        seen = req.status is not RequestStatus.WAITING  # scheduled at least once: the runner holds its state
+        if req.status is RequestStatus.HELD:
+            self.release_held(req.request_id)
+            return
+        # Scheduled at least once: the runner holds its state (a pulled request's is met once it lands).
+        seen = req.status not in (RequestStatus.WAITING, RequestStatus.PULLING)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.pulling.pop(req.request_id, None)
         req.finish(reason, stop_reason)
         self._release(req, seen)
 
@@ -166,7 +253,9 @@ class Scheduler:
         """After a plan failed to execute: end every request with an error. What the step wrote may be half
         done, so the prefix cache and the snapshots it was to save are forgotten."""
         self.kv.abandon_step()
-        return [self.fail(req, error) for req in list(self.requests.values())]
+        # Held and pulling requests took no part in the step: their blocks were written before or are being read.
+        spared = (RequestStatus.HELD, RequestStatus.PULLING)
+        return [self.fail(req, error) for req in list(self.requests.values()) if req.status not in spared]
 
     def _release(self, req: Request, seen: bool) -> None:
         self.kv.free(req)
@@ -187,4 +276,6 @@ class Scheduler:
             num_state_snapshots=len(snapshots) if snapshots is not None else 0,
             state_snapshot_usage=len(snapshots) / snapshots.num_snapshots if snapshots is not None else 0.0,
             state_snapshot_hits=snapshots.num_restored if snapshots is not None else 0,
+            kv_held=len(self.held),
+            kv_pulling=len(self.pulling),
         )

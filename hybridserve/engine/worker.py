@@ -32,6 +32,8 @@ from hybridserve.engine.identity import tokenizer_fingerprint, weights_fingerpri
 from hybridserve.engine.protocol import (
     AbortRequests,
     AddRequest,
+    AddTransferPeer,
+    CheckIntegrity,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineFacts,
@@ -39,6 +41,7 @@ from hybridserve.engine.protocol import (
     FinishReason,
     GetCachedSet,
     Hello,
+    IntegrityReport,
     Ping,
     Pong,
     Refused,
@@ -50,6 +53,7 @@ logger = logging.getLogger("hybridserve.worker")
 
 SESSION_TIMEOUT_S = 30.0  # a frontend pings every second; this much silence ends its session
 _IDLE_POLL_MS = 1000
+_TRANSFER_POLL_MS = 20  # idle, but holding prefilled requests or reading: how often to look at them
 
 
 def check_listen_address(listen: str, secret: str) -> None:
@@ -114,6 +118,7 @@ class EngineWorker:
         dtype = str(runner.dtype).removeprefix("torch.")
         facts = engine_facts(self.core, config)
         self.identity = worker_identity(model_name, hf_dir, dtype, runner.num_state_slots > 0, facts)
+        self.role = config.role
         self.secret = secret
         self.stop_when = stop_when
         self.session_timeout_s = session_timeout_s
@@ -143,15 +148,15 @@ class EngineWorker:
         self._stopping = True
 
     def serve(self) -> None:
-        logger.info("engine worker ready: serving %s at %s", self.identity.model, self.listen)
+        logger.info("engine worker ready (%s): serving %s at %s", self.role, self.identity.model, self.listen)
         try:
             while not self._stopping and not self.stop_when():
                 if not self.core.has_work():
-                    self.sock.poll(_IDLE_POLL_MS)
+                    self.sock.poll(_TRANSFER_POLL_MS if self.core.watching_transfers else _IDLE_POLL_MS)
                 while self.sock.poll(0):
                     self._handle(*self.sock.recv_multipart())
                 self._expire_sessions()
-                if self.core.has_work():
+                if self.core.has_work() or self.core.watching_transfers:
                     self._step()
         finally:
             self.sock.close(linger=0)
@@ -181,9 +186,21 @@ class EngineWorker:
         elif isinstance(msg, AbortRequests):
             self.core.abort([rid for rid in msg.request_ids if self.owner.get(rid) == route])
         elif isinstance(msg, Ping):
-            self._send(route, Pong(self.core.scheduler.stats()))
+            self._send(route, Pong(self.core.stats()))
         elif isinstance(msg, GetCachedSet):
             self._send(route, self.core.kv.cached_set(self.seq))
+        elif isinstance(msg, AddTransferPeer):
+            if self.core.connector is not None:
+                self.core.connector.add_peer(msg.endpoint)
+        elif isinstance(msg, CheckIntegrity):
+            self._send(route, IntegrityReport(self._integrity(), self.core.stats()))
+
+    def _integrity(self) -> str | None:
+        try:
+            self.core.check_integrity()
+        except AssertionError as exc:
+            return str(exc)
+        return None
 
     def _hello(self, route: bytes, hello: Hello) -> None:
         if self.secret and not hmac.compare_digest(hello.secret.encode(), self.secret.encode()):
@@ -194,7 +211,9 @@ class EngineWorker:
             if old.frontend == hello.frontend or old_route == route:
                 self._end_session(old_route, "replaced by a new session of its frontend")
         self.sessions[route] = _Session(hello.frontend, hello.session, time.monotonic())
-        self._send(route, Welcome(self.identity, self.events_address))
+        connector = self.core.connector
+        endpoint = connector.endpoint if connector is not None else None
+        self._send(route, Welcome(self.identity, self.events_address, self.role, endpoint))
 
     def _add(self, route: bytes, session: _Session, msg: AddRequest) -> None:
         request = msg.request
@@ -249,7 +268,7 @@ class EngineWorker:
             if route is None:
                 continue  # its session ended
             by_route.setdefault(route, []).append(out)
-            if out.finish_reason is not None:
+            if out.finish_reason is not None or out.kv_transfer is not None:  # over, or now the decode worker's
                 del self.owner[out.request_id]
                 self.sessions[route].requests.discard(out.request_id)
         for route, outputs in by_route.items():

@@ -51,15 +51,23 @@ def build_engine(
         deployment.worker_api_key or os.environ.get(WORKER_API_KEY_ENV, ""),
         config.seed,
         deployment.routing_prefix_weight,
+        deployment.max_local_prefill_tokens,
     )
-    count = deployment.local_workers
-    local = LocalWorkers(config, hf_dir, resolved.name, count) if count else None
-    links = [*(local.links if local else []), *(WorkerLink(url, url) for url in deployment.workers or ())]
+    roles = ["both"] * deployment.local_workers
+    roles += ["prefill"] * deployment.num_prefill_workers + ["decode"] * deployment.num_decode_workers
+    local = LocalWorkers(config, hf_dir, resolved.name, roles) if roles else None
+    links = [
+        *(local.links if local else []),
+        *(WorkerLink(url, url) for url in deployment.workers or ()),
+        *(WorkerLink(url, url, "prefill") for url in deployment.prefill_workers or ()),
+        *(WorkerLink(url, url, "decode") for url in deployment.decode_workers or ()),
+    ]
     router = Router(
         links, expected, settings, local.start if local else None, local.shutdown if local else None, on_fatal
     )
     try:
-        router.wait_for_workers(STARTUP_TIMEOUT_S, require_all=not deployment.workers)
+        remote = deployment.workers or deployment.prefill_workers or deployment.decode_workers
+        router.wait_for_workers(STARTUP_TIMEOUT_S, require_all=not remote)
     except BaseException:
         router.shutdown()
         raise

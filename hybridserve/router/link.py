@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from hybridserve.engine.cache.events import KVEventBatch
+from hybridserve.engine.kv_transfer.messages import TransferEndpoint
 from hybridserve.engine.protocol import (
     EngineInput,
     Hello,
@@ -54,6 +55,7 @@ _POLL_MS = 200
 class WorkerLink:
     name: str
     address: str
+    role: str = "both"  # what the deployment uses it for: both, prefill or decode
     process: BaseProcess | None = None  # a local worker's process
     state: WorkerState = WorkerState.CONNECTING
     error: str | None = None  # why it is down or refused
@@ -69,6 +71,8 @@ class WorkerLink:
     routed_hits: int = 0  # requests routed here that matched at least one cached block
     routed_misses: int = 0
     matched_blocks: int = 0
+    transfer: TransferEndpoint | None = None  # a prefill or decode worker's, from its Welcome
+    introduced: set[str] = field(default_factory=set)  # decode worker: prefill agents it was told of, this session
     sock: zmq.asyncio.Socket | None = None
     events: zmq.asyncio.Socket | None = None
 
@@ -95,6 +99,7 @@ class WorkerLink:
         """Opens a new session; raises HandshakeRefused when the worker says no, TimeoutError when it is silent,
         WorkerExited when a local worker's process ends first."""
         self.close()
+        self.introduced.clear()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # a send never fails for a full queue: the worker drains it

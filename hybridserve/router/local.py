@@ -18,7 +18,9 @@ from hybridserve.router.link import WorkerLink
 
 
 class LocalWorkers:
-    def __init__(self, config: EngineConfig, hf_dir: Path, model_name: str, count: int) -> None:
+    def __init__(self, config: EngineConfig, hf_dir: Path, model_name: str, roles: list[str]) -> None:
+        """One worker per entry of `roles` (both, prefill or decode)."""
+        count = len(roles)
         if count < 1:
             raise ValueError(f"the number of local workers must be at least 1, got {count}")
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // count)
@@ -26,7 +28,12 @@ class LocalWorkers:
         self.hf_dir = hf_dir
         self.model_name = model_name
         self.children = ChildProcesses("workers")
-        self.links = [WorkerLink(f"local-{i}", self.children.address(f"w{i}")) for i in range(count)]
+        seen: dict[str, int] = {}
+        self.links = []
+        for i, role in enumerate(roles):
+            n = seen[role] = seen.get(role, -1) + 1
+            name = f"local-{n}" if role == "both" else f"local-{role}-{n}"
+            self.links.append(WorkerLink(name, self.children.address(f"w{i}"), role))
         for link in self.links:
             self.start(link)
 
@@ -34,7 +41,8 @@ class LocalWorkers:
         """Starts (or starts again) the process of a local worker."""
         if link.process is not None:
             self.children.forget(link.process)
-        args = (self.config, self.hf_dir, self.model_name, link.address)
+        config = dataclasses.replace(self.config, role=link.role)
+        args = (config, self.hf_dir, self.model_name, link.address)
         link.process = self.children.spawn(run_local_worker, args, f"hybridserve-engine-{link.name}")
 
     def shutdown(self) -> None:

@@ -32,6 +32,7 @@ from hybridserve.engine.cache.prefix_hash import hash_blocks
 from hybridserve.engine.protocol import (
     AbortRequests,
     AddRequest,
+    CheckIntegrity,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -40,6 +41,7 @@ from hybridserve.engine.protocol import (
     FinishReason,
     GetCachedSet,
     Hello,
+    IntegrityReport,
     Ping,
     Pong,
     Refused,
@@ -48,6 +50,7 @@ from hybridserve.engine.protocol import (
     WorkerIdentity,
     WorkerStatus,
 )
+from hybridserve.router.disagg import Disaggregation
 from hybridserve.router.index import KVIndex
 from hybridserve.router.link import HandshakeRefused, WorkerExited, WorkerLink, WorkerState
 from hybridserve.router.policy import Candidate, Policy, Routing
@@ -69,6 +72,7 @@ class RouterSettings:
     secret: str = ""  # the workers' shared secret
     seed: int = 0
     prefix_weight: float = 4.0  # kv_aware: a cached block against a block of load
+    max_local_prefill_tokens: int = 256  # disaggregated: a decode worker prefills an uncached part this short
 
 
 @dataclass(frozen=True)
@@ -102,12 +106,14 @@ class Router:
         self.identity: WorkerIdentity | None = None  # of the first accepted worker: the deployment's
         self.index = KVIndex()
         self.policy: Policy | None = None
+        self.disagg: Disaggregation | None = None  # with prefill and decode pools
         self._owner: dict[str, WorkerLink] = {}  # request id → the worker running it
         self._ctx = zmq.asyncio.Context()
         self._queue: asyncio.Queue[EngineCoreOutputs] | None = None
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}  # per worker: its readers
         self._maintenance: asyncio.Task[None] | None = None
         self._settled = asyncio.Event()  # no worker is still opening its first session
+        self._integrity: dict[str, asyncio.Future[IntegrityReport]] = {}  # asked, per worker
 
     # ---- start-up (before the event loop)
 
@@ -143,7 +149,7 @@ class Router:
                     continue
                 del pending[link.name]
                 reply = _decode(sock.recv())
-                if isinstance(reply, Welcome) and (problem := self._check(link, reply.identity)) is None:
+                if isinstance(reply, Welcome) and (problem := self._check(link, reply)) is None:
                     accepted += 1
                 else:
                     problem = reply.error if isinstance(reply, Refused) else problem
@@ -163,16 +169,25 @@ class Router:
             if link.name in pending:  # the others are up: it is retried in the background
                 self._set_state(link, WorkerState.DOWN, "no answer at start-up")
         assert self.identity is not None
+        block_size = self.identity.facts.block_size
         self.policy = Policy(
             self.settings.routing,
-            self.identity.facts.block_size,
+            block_size,
             self.settings.temperature,
             self.settings.seed,
             self.settings.prefix_weight,
         )
+        if any(link.role != "both" for link in self.links):
+            self.disagg = Disaggregation(self.links, block_size, self.settings.max_local_prefill_tokens)
 
-    def _check(self, link: WorkerLink, identity: WorkerIdentity) -> str | None:
+    def _check(self, link: WorkerLink, welcome: Welcome) -> str | None:
         """Why this worker cannot serve this deployment (None: it can); the first one fixes the geometry."""
+        if welcome.role != link.role:
+            return f"it runs with --role {welcome.role}, but this deployment uses it as a {link.role} worker"
+        if link.role != "both" and welcome.transfer is None:
+            return f"it is a {link.role} worker without a KV-transfer endpoint"
+        link.transfer = welcome.transfer
+        identity = welcome.identity
         ours = self.expected
         for name, theirs, mine in (
             ("model", identity.model, ours.model),
@@ -242,7 +257,7 @@ class Router:
                     link.start_failures += 1
                     self._give_up_if_hopeless(link)
                 return
-            if (problem := self._check(link, welcome.identity)) is not None:
+            if (problem := self._check(link, welcome)) is not None:
                 link.close()
                 self._retry_later(link, WorkerState.REFUSED, problem)
                 return
@@ -299,6 +314,10 @@ class Router:
             elif isinstance(msg, CachedSet):
                 if not self.index.load(link.name, msg):
                     link.send(GetCachedSet())
+            elif isinstance(msg, IntegrityReport):
+                future = self._integrity.pop(link.name, None)
+                if future is not None and not future.done():
+                    future.set_result(msg)
             elif isinstance(msg, Refused):  # it dropped our session (it restarted, or found us silent)
                 self._mark_down(link, f"it ended the session: {msg.error}")
                 return
@@ -318,8 +337,29 @@ class Router:
             if out.finish_reason is not None:
                 link.release(out.request_id)
                 self._owner.pop(out.request_id, None)
+                if self.disagg is not None:
+                    self.disagg.pending.pop(out.request_id, None)
+            elif out.kv_transfer is not None:
+                link.release(out.request_id)
+                self._hand_off(link, out)
             else:
                 link.grow(out.request_id, len(out.new_token_ids))
+
+    def _hand_off(self, prefill: WorkerLink, out: EngineCoreOutput) -> None:
+        """A prefill worker is done with a request: it goes on at its decode worker (which reads the KV)."""
+        assert self.disagg is not None and self._queue is not None
+        rid = out.request_id
+        try:
+            target, messages = self.disagg.hand_off(prefill, out, self._pick)
+        except LookupError as exc:
+            self._owner.pop(rid, None)
+            error = EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, error=str(exc), unavailable=True)
+            self._queue.put_nowait(EngineCoreOutputs([error]))
+            return
+        target.hold(rid, out.num_prompt_tokens + 1)
+        self._owner[rid] = target
+        for message in messages:
+            target.send(message)
 
     def _mark_down(self, link: WorkerLink, why: str) -> None:
         """Fails exactly the requests this worker held; the others go on. It is retried with backoff."""
@@ -335,6 +375,8 @@ class Router:
         ]
         for rid in link.requests:
             self._owner.pop(rid, None)
+            if self.disagg is not None:
+                self.disagg.pending.pop(rid, None)
         link.release_all()
         link.stats = SchedulerStats()
         self._retry_later(link, WorkerState.DOWN, why)
@@ -351,19 +393,22 @@ class Router:
         if not self._settled.is_set():  # right after start-up: routing waits until every session is open
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), self.settings.worker_timeout_s)
-        link = self._pick(requests[0].prompt_token_ids)
+        if not any(w.state is WorkerState.UP for w in self.links):
+            raise EngineUnavailable(
+                "no engine worker is available: "
+                + "; ".join(f"worker {w.name} is {w.state}" + (f" ({w.error})" if w.error else "") for w in self.links)
+            )
+        if self.disagg is not None:
+            link, requests = self.disagg.route(requests, self._pick)
+        else:
+            link = self._pick([w for w in self.links if w.state is WorkerState.UP], requests[0].prompt_token_ids)[0]
         for request in requests:  # its load: the tokens it holds in the worker's KV cache, prompt and output
             link.hold(request.request_id, len(request.prompt_token_ids))
             self._owner[request.request_id] = link
             link.send(AddRequest(request))
 
-    def _pick(self, prompt: list[int]) -> WorkerLink:
-        up = [w for w in self.links if w.state is WorkerState.UP]
-        if not up:
-            raise EngineUnavailable(
-                "no engine worker is available: "
-                + "; ".join(f"worker {w.name} is {w.state}" + (f" ({w.error})" if w.error else "") for w in self.links)
-            )
+    def _pick(self, up: list[WorkerLink], prompt: list[int]) -> tuple[WorkerLink, int]:
+        """The policy's choice among `up` for this prompt, and the prompt blocks it holds."""
         assert self.policy is not None and self.identity is not None
         bs = self.identity.facts.block_size
         usable = (len(prompt) - 1) // bs * bs  # the last prompt token is always computed
@@ -377,11 +422,13 @@ class Router:
             link.matched_blocks += chosen.matched_blocks
         else:
             link.routed_misses += 1
-        return link
+        return link, chosen.matched_blocks
 
     def abort(self, request_ids: list[str]) -> None:
         by_link: dict[str, list[str]] = {}
         for rid in request_ids:
+            if self.disagg is not None:
+                self.disagg.pending.pop(rid, None)
             link = self._owner.get(rid)
             if link is not None:
                 by_link.setdefault(link.name, []).append(rid)
@@ -415,9 +462,21 @@ class Router:
                 w.routed_misses,
                 w.matched_blocks,
                 w.restarts,
+                w.role,
             )
             for w in self.links
         ]
+
+    async def check_integrity(self, timeout_s: float = 10.0) -> dict[str, IntegrityReport]:
+        """Every up worker's cache integrity check, run now, by worker name (tests and operators)."""
+        self._ensure_started()
+        loop = asyncio.get_running_loop()
+        asked = {}
+        for link in self.links:
+            if link.state is WorkerState.UP:
+                asked[link.name] = self._integrity.setdefault(link.name, loop.create_future())
+                link.send(CheckIntegrity())
+        return {name: await asyncio.wait_for(future, timeout_s) for name, future in asked.items()}
 
     async def check_health(self) -> None:
         self._ensure_started()

@@ -107,6 +107,22 @@ _ENGINE_METRICS = (
      lambda s: s.state_snapshot_usage),
     (CounterMetricFamily, "state_snapshot_hits", "Prefix hits that restored recurrent state from a snapshot.",
      lambda s: s.state_snapshot_hits),
+    (GaugeMetricFamily, "kv_transfer_held_requests",
+     "Prefill worker: prefilled requests whose KV and state wait for their decode worker.", lambda s: s.kv_held),
+    (GaugeMetricFamily, "kv_transfer_pulling_requests",
+     "Decode worker: requests whose KV and state are being read from a prefill worker.", lambda s: s.kv_pulling),
+    (CounterMetricFamily, "kv_transfer_pulls", "Decode worker: KV and state reads that landed.",
+     lambda s: s.kv_pulls_done),
+    (CounterMetricFamily, "kv_transfer_pull_failures",
+     "Decode worker: KV and state reads that failed (peer gone, error, deadline).", lambda s: s.kv_pulls_failed),
+    (CounterMetricFamily, "kv_transfer_kv_bytes", "Decode worker: bytes of KV blocks read from prefill workers.",
+     lambda s: s.kv_pulled_kv_bytes),
+    (CounterMetricFamily, "kv_transfer_state_bytes",
+     "Decode worker: bytes of recurrent state read from prefill workers.", lambda s: s.kv_pulled_state_bytes),
+    (CounterMetricFamily, "kv_transfer_kv_seconds", "Decode worker: seconds the KV parts of reads took, summed.",
+     lambda s: s.kv_pull_kv_seconds),
+    (CounterMetricFamily, "kv_transfer_state_seconds",
+     "Decode worker: seconds the recurrent-state parts of reads took, summed.", lambda s: s.kv_pull_state_seconds),
 )
 # fmt: on
 

@@ -158,8 +158,12 @@ class KVCacheManager:
         if self.snapshots is not None:
             self.snapshots.abandon()
 
-    def allocate(self, request: Request, num_new_tokens: int, cached: list[Block] | None = None) -> bool:
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached: list[Block] | None = None, pulled: bool = False
+    ) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after `cached` on first allocation).
+        `pulled`: a read from a prefill worker fills the blocks and the state slot, so the slot is not zeroed
+        and the blocks become findable only once the read landed (`make_findable`).
 
         Returns False, changing nothing, when the pool cannot cover it.
         """
@@ -178,21 +182,28 @@ class KVCacheManager:
             slot = states.allocate(request.request_id)
             if cached:
                 self.ops.restore.append((self._snapshot_of(cached[-1]), slot))
-            else:
+            elif not pulled:
                 self.ops.zero.append(slot)
         self.pool.touch(cached)
-        if cached or not blocks:
+        if not pulled and (cached or not blocks):
             self.prefix_queries += request.num_tokens
             self.prefix_hits += len(cached) * self.block_size
         blocks = blocks + cached + self.pool.allocate(max(num_needed, 0))
         self.req_blocks[request.request_id] = blocks
-        if self.enable_prefix_caching:
+        if not pulled:
             # Blocks whose tokens are all known once this step runs become findable now; the model
             # writes every layer's KV before any sequence reads it, so a same-step hit is safe.
-            hashes = self._hashes(request, min(num_tokens, request.num_tokens))
-            for i, (block, block_hash) in enumerate(zip(blocks, hashes, strict=False)):
-                self.pool.cache(block, block_hash, hashes[i - 1] if i else None)
+            self.make_findable(request, min(num_tokens, request.num_tokens))
         return True
+
+    def make_findable(self, request: Request, num_tokens: int) -> None:
+        """The request's full blocks among its first `num_tokens` tokens hold their KV (or will once this step
+        runs): later prompts with the same prefix may hit them."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._hashes(request, num_tokens)
+        for i, (block, block_hash) in enumerate(zip(self.req_blocks[request.request_id], hashes, strict=False)):
+            self.pool.cache(block, block_hash, hashes[i - 1] if i else None)
 
     def _snapshot_of(self, block: Block) -> int:
         if self.snapshots is None or block.block_hash is None:

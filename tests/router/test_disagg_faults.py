@@ -1,0 +1,226 @@
+"""Faults of disaggregation, each caused for real on loopback workers (kimi-linear-tiny: KV blocks and recurrent
+state): a prefill worker killed or stopped while its prefilled request waits to be read, a decode worker killed
+while the prefill worker holds a request for it, and a peer whose cache layout differs. Only the request that
+was in transfer is affected (it fails with a clear error, or is recomputed on the decode worker), the other
+requests go on, and every cache's integrity check passes on both sides afterwards.
+
+To make the timing deterministic, the decode worker takes one sequence at a time: a long request occupies it,
+so the victim waits (prefilled and held on the prefill worker) until the test has caused the fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from hybridserve.config import DeploymentConfig, EngineConfig
+from hybridserve.engine.async_llm import AsyncLLM
+from hybridserve.engine.core import EngineCore
+from hybridserve.engine.kv_transfer.messages import RemoteDecode, RemotePrefill
+from hybridserve.engine.protocol import EngineCoreRequest, FinishReason
+from hybridserve.router.deploy import build_engine
+from hybridserve.router.link import WorkerLink, WorkerState
+from hybridserve.sampling_params import SamplingParams
+
+TIMEOUT_S = 60.0
+ENGINE = {"dtype": "float32", "kv_cache_memory_bytes": 32 * 1024**2, "num_threads": 1, "max_num_seqs": 1}
+DEPLOYMENT = DeploymentConfig(
+    num_prefill_workers=1, num_decode_workers=1, max_local_prefill_tokens=0, worker_timeout=5.0
+)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+BLOCKER = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+
+
+async def _until(what: str, check: Callable[[], Awaitable[bool]]) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def _collect(engine: AsyncLLM, prompt: list[int], params: SamplingParams, rid: str) -> tuple[list[int], str]:
+    ids: list[int] = []
+    async for update in engine.generate(prompt, params, rid):
+        ids += update.output.delta_token_ids
+        if update.finished:
+            return ids, update.output.error or str(update.output.finish_reason)
+    raise AssertionError("the stream ended without a finish")
+
+
+def _link(engine: AsyncLLM, role: str) -> WorkerLink:
+    return next(w for w in engine.client.links if w.role == role)
+
+
+async def _stat(engine: AsyncLLM, role: str, field: str) -> int:
+    reports = await engine.client.check_integrity()
+    report = reports.get(_link(engine, role).name)
+    return -1 if report is None else getattr(report.stats, field)  # -1: it is not up
+
+
+async def _integrity(engine: AsyncLLM) -> None:
+    reports = await engine.client.check_integrity()
+    assert {r.error for r in reports.values()} == {None}, {n: r.error for n, r in reports.items()}
+    assert len(reports) == 2, f"both workers are up and checked: {sorted(reports)}"
+
+
+async def _victim_waits(engine: AsyncLLM, prompt: list[int]) -> tuple[asyncio.Task, asyncio.Task]:
+    """A blocker decoding on the decode worker, and a victim held on the prefill worker behind it."""
+    await engine.client.check_health()  # opens the sessions
+    await _until("both workers up", _coro(lambda: all(w.state is WorkerState.UP for w in engine.client.links)))
+    blocker = asyncio.create_task(_collect(engine, prompt[:5], BLOCKER, "blocker"))
+    await _until("the blocker to run", lambda: _running(engine))
+    victim = asyncio.create_task(_collect(engine, prompt, GREEDY, "victim"))
+    await _until("the victim to be held", lambda: _held(engine, 1))
+    return blocker, victim
+
+
+async def _running(engine: AsyncLLM) -> bool:
+    return await _stat(engine, "decode", "num_running") == 1
+
+
+async def _held(engine: AsyncLLM, n: int) -> bool:
+    return await _stat(engine, "prefill", "kv_held") == n
+
+
+def _run(model: Path, overrides: dict, scenario: Callable[[AsyncLLM], Awaitable[None]]) -> None:
+    engine = build_engine(EngineConfig(model=str(model), **ENGINE, **overrides), DEPLOYMENT)
+    try:
+        asyncio.run(asyncio.wait_for(scenario(engine), 4 * TIMEOUT_S))
+    finally:
+        engine.shutdown()
+
+
+def _prompt(engine: AsyncLLM) -> list[int]:
+    return engine.tokenizer.encode("A prompt long enough to fill a few KV blocks of sixteen tokens each. " * 3)
+
+
+async def _unblock(blocker: asyncio.Task, engine: AsyncLLM) -> None:
+    engine.client.abort(["blocker"])
+    ids, end = await blocker
+    assert end == "abort" and ids  # it ran, then went when asked
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_prefill_worker_killed_before_the_read(kimi_linear_dir: Path, policy: str) -> None:
+    async def scenario(engine: AsyncLLM) -> None:
+        prompt = _prompt(engine)
+        reference = await _collect(engine, prompt, GREEDY, "reference")
+        blocker, victim = await _victim_waits(engine, prompt)
+        prefill = _link(engine, "prefill")
+        assert prefill.process is not None and prefill.process.pid
+        os.kill(prefill.process.pid, signal.SIGKILL)
+        await _until("the prefill worker to be marked down", _coro(lambda: prefill.state is not WorkerState.UP))
+        await _unblock(blocker, engine)
+        ids, end = await victim
+        if policy == "fail":
+            assert ids == reference[0][:1]  # the first token came from the prefill worker, then the error
+            assert end.startswith(f"KV transfer from prefill worker {prefill.transfer.agent} failed: reading from")
+        else:
+            assert (ids, end) == reference  # prefilled again on the decode worker: the same tokens
+        assert await _stat(engine, "decode", "kv_pulls_failed") == 1
+        await _until("the prefill worker to be back", _coro(lambda: prefill.state is WorkerState.UP))
+        assert await _collect(engine, prompt, GREEDY, "after") == reference  # served disaggregated again
+        await _integrity(engine)
+
+    _run(kimi_linear_dir, {"kv_transfer_failure": policy}, scenario)
+
+
+def test_stopped_prefill_worker_is_bounded_by_the_deadline(kimi_linear_dir: Path) -> None:
+    async def scenario(engine: AsyncLLM) -> None:
+        prompt = _prompt(engine)
+        blocker, victim = await _victim_waits(engine, prompt)
+        prefill = _link(engine, "prefill")
+        assert prefill.process is not None and prefill.process.pid
+        os.kill(prefill.process.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            await _unblock(blocker, engine)
+            ids, end = await victim
+            assert end.endswith("no data from it within 2s (deadline)"), end
+            assert time.monotonic() - started < 2 + 10  # the deadline, not the worker timeout nor forever
+        finally:
+            os.kill(prefill.process.pid, signal.SIGCONT)
+        # It hears `drop` once it runs again and frees the victim (or its lease runs out).
+        await _until("the prefill worker to free the victim", lambda: _held_or_down(engine))
+        await _until("both workers up", _coro(lambda: all(w.state is WorkerState.UP for w in engine.client.links)))
+        await _integrity(engine)
+        assert await _stat(engine, "prefill", "kv_held") == 0
+
+    _run(kimi_linear_dir, {"kv_transfer_timeout": 2.0}, scenario)
+
+
+async def _held_or_down(engine: AsyncLLM) -> bool:
+    if _link(engine, "prefill").state is not WorkerState.UP:
+        return False
+    return await _held(engine, 0)
+
+
+def test_dead_decode_worker_strands_nothing_past_the_lease(kimi_linear_dir: Path) -> None:
+    async def scenario(engine: AsyncLLM) -> None:
+        prompt = _prompt(engine)
+        blocker, victim = await _victim_waits(engine, prompt)
+        decode = _link(engine, "decode")
+        assert decode.process is not None and decode.process.pid
+        os.kill(decode.process.pid, signal.SIGKILL)
+        for task, rid in ((blocker, "blocker"), (victim, "victim")):
+            ids, end = await task
+            assert "went down" in end, (rid, end)  # failed as unavailable, with the worker named
+        killed = time.monotonic()
+        await _until("the prefill worker to let the victim go", lambda: _held(engine, 0))
+        assert time.monotonic() - killed < 3 + 3  # its lease (3 s, pushed back at most once)
+        await _until("the decode worker to be back", _coro(lambda: decode.state is WorkerState.UP))
+        await _integrity(engine)
+
+    _run(kimi_linear_dir, {"kv_lease": 3.0}, scenario)
+
+
+def _coro(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    async def run() -> bool:
+        return check()
+
+    return run
+
+
+def test_incompatible_peer_fails_only_its_requests(kimi_linear_dir: Path) -> None:
+    """A prefill worker whose KV blocks are twice as long: the decode worker refuses it at first contact,
+    naming the difference, remembers that, and fails only the requests that would read from it."""
+    base = {"model": str(kimi_linear_dir), "kv_cache_memory_bytes": 16 * 1024**2, "num_threads": 1}
+    good = EngineCore(EngineConfig(**base, dtype="float32", role="prefill"), kimi_linear_dir)
+    bad = EngineCore(EngineConfig(**base, dtype="float32", block_size=32, role="prefill"), kimi_linear_dir)
+    decode = EngineCore(EngineConfig(**base, dtype="float32", role="decode"), kimi_linear_dir)
+    assert good.connector and bad.connector and decode.connector
+    decode.connector.add_peer(good.connector.endpoint)
+    decode.connector.add_peer(bad.connector.endpoint)
+    prompt = list(range(10, 60))
+    sources = {}
+    for name, core in (("good", good), ("bad", bad)):
+        core.add_request(EngineCoreRequest(name, prompt, GREEDY, [], 0.0, kv_transfer=RemoteDecode()))
+        while name not in sources:
+            for out in core.step().outputs:
+                assert out.kv_transfer is not None
+                sources[name] = RemotePrefill(out.kv_transfer, out.new_token_ids[0])
+    for attempt in ("bad", "bad-again", "good"):
+        source = sources[attempt.split("-")[0]]
+        decode.add_request(EngineCoreRequest(attempt, prompt, GREEDY, [], 0.0, kv_transfer=source))
+    ends: dict[str, tuple[FinishReason | None, str | None]] = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(ends) < 3 and time.monotonic() < deadline:
+        for out in decode.step().outputs:
+            if out.finish_reason is not None:
+                ends[out.request_id] = (out.finish_reason, out.error)
+        good.step()
+    problem = (
+        f"prefill worker {bad.connector.endpoint.agent} is incompatible with this decode worker: block_size 32 != 16"
+    )
+    assert ends["bad"] == ends["bad-again"] == (FinishReason.ERROR, problem)
+    assert ends["good"] == (FinishReason.LENGTH, None)
+    assert decode.connector.counters.pulls_done == 1
+    for core in (good, bad, decode):
+        core.check_integrity()
