@@ -4,12 +4,13 @@ the grammar caps a forced turn at MAX_FORCED_CALLS calls."""
 
 import json
 
+import openai
 import pytest
 from fastapi.testclient import TestClient
 
 from hybridserve.serving.app import build_app
+from hybridserve.serving.openai import tools
 from hybridserve.serving.openai.forced import ArrayElements, RequiredCallsParser
-from hybridserve.serving.openai.tools import MAX_FORCED_CALLS
 
 from .fake_engine import FakeEngine
 from .helpers import sse_payloads
@@ -145,7 +146,7 @@ def test_a_named_call_cut_short_is_no_call_and_no_text(client, engine, tokenizer
 def test_the_grammar_caps_a_forced_turn(client, engine):
     responses(client)
     schema = json.loads(engine.calls[-1][1].structured_output.json_schema)
-    assert (schema["minItems"], schema["maxItems"]) == (1, MAX_FORCED_CALLS)
+    assert (schema["minItems"], schema["maxItems"]) == (1, tools.MAX_FORCED_CALLS)
     responses(client, parallel_tool_calls=False)
     schema = json.loads(engine.calls[-1][1].structured_output.json_schema)
     assert (schema["minItems"], schema["maxItems"]) == (1, 1)
@@ -178,3 +179,91 @@ def test_array_elements_whole_or_one_character_at_a_time(text, elements):
     assert ArrayElements().feed(text) == elements
     scanner = ArrayElements()
     assert [element for char in text for element in scanner.feed(char)] == elements
+
+
+# The real model (SmolLM2-135M, greedy), in process, through the openai SDK. Forced to search, it repeats one call.
+SEARCH = {
+    "type": "function",
+    "name": "search",
+    "description": "Search the web.",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+}
+CHAT_SEARCH = {"type": "function", "function": {k: v for k, v in SEARCH.items() if k != "type"}}
+LOOPING = "Who won the world cup in 2018?"
+BUDGET = 80  # about two and a half of its calls
+
+
+@pytest.fixture(scope="module")
+def sdk(smollm2_dir, tmp_path_factory):
+    from hybridserve.engine.async_llm import AsyncLLM
+    from hybridserve.engine.client import InprocEngineClient
+    from hybridserve.engine.llm import LLM
+
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu")
+    model = AsyncLLM(InprocEngineClient(llm.core, llm.config), llm.tokenizer, "smollm2", llm.eos_token_ids, smollm2_dir)
+    with TestClient(build_app(model, None, tmp_path_factory.mktemp("data"))) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=http)
+
+
+def search_calls(calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    assert all(name == "search" and isinstance(json.loads(arguments)["query"], str) for name, arguments in calls)
+    return calls
+
+
+def responses_sdk(sdk, **kw):
+    return sdk.responses.create(
+        model="smollm2", input=LOOPING, tools=[SEARCH], tool_choice="required", temperature=0, **kw
+    )
+
+
+def chat_sdk(sdk, **kw):
+    return sdk.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": LOOPING}],
+        tools=[CHAT_SEARCH],
+        tool_choice="required",
+        temperature=0,
+        **kw,
+    )
+
+
+def test_a_looping_model_cut_short_on_responses(sdk):
+    r = responses_sdk(sdk, max_output_tokens=BUDGET)
+    assert (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert all(item.type == "function_call" and item.status == "completed" for item in r.output)
+    calls = search_calls([(item.name, item.arguments) for item in r.output])
+    assert len(calls) >= 2  # it repeats its call: every complete one is a call, the cut one is gone
+
+    evs = list(responses_sdk(sdk, max_output_tokens=BUDGET, stream=True))
+    body = ["response.created", "response.in_progress", *CALL_EVENTS * len(calls), "response.incomplete"]
+    assert [e.type for e in evs] == body
+    final = evs[-1].response
+    assert [(item.name, item.arguments) for item in final.output] == calls
+    assert [e.delta for e in evs if e.type == "response.function_call_arguments.delta"] == [a for _, a in calls]
+
+
+def test_a_looping_model_cut_short_on_chat(sdk):
+    [choice] = chat_sdk(sdk, max_tokens=BUDGET).choices
+    assert (choice.finish_reason, choice.message.content) == ("length", None)
+    calls = search_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls])
+    assert len(calls) >= 2
+
+    chunks = list(chat_sdk(sdk, max_tokens=BUDGET, stream=True))
+    deltas = [chunk.choices[0].delta for chunk in chunks]
+    streamed = [call for delta in deltas for call in delta.tool_calls or []]
+    assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == [
+        (k, name, arguments) for k, (name, arguments) in enumerate(calls)
+    ]
+    assert all(not delta.content for delta in deltas)  # no JSON as text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_the_cap_ends_a_looping_turn(sdk, monkeypatch):
+    monkeypatch.setattr(tools, "MAX_FORCED_CALLS", 2)
+    r = responses_sdk(sdk)
+    assert (r.status, len(search_calls([(item.name, item.arguments) for item in r.output]))) == ("completed", 2)
+    [choice] = chat_sdk(sdk).choices
+    assert (
+        choice.finish_reason,
+        len(search_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls])),
+    ) == ("tool_calls", 2)
