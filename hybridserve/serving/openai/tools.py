@@ -7,6 +7,9 @@ Responses: web_search, local_shell, mcp, ...) are accepted and ignored with a wa
 Codex declare built-in tools a self-hosted model cannot run; a type OpenAI does not define there (a typo, a
 missing type) is a 400.
 
+Forced calls (tool_choice "required" or a named function) are a grammar (`forced_schema`, at most
+MAX_FORCED_CALLS calls) read back by forced.py.
+
 A chat template that knows no tools (SmolLM2's, for one) still serves agents: the tools, the assistant's
 earlier calls and the tool results are written into the messages in the Hermes format, which the hermes
 tool parser reads back.
@@ -65,10 +68,11 @@ OFF_LOOP_SCHEMA_CHARS = 2048
 MAX_CACHED_SCHEMA_CHARS = 64 * 1024
 # The most calls one forced turn ("required", parallel_tool_calls true) may make: the grammar's maxItems, after
 # which it allows only the array's end. A small model forced to call often repeats its call until the token
-# budget (all the context left, when max_tokens is not set) runs out; a grammar cannot forbid a repeat (it is
-# context-free: one item cannot be compared with another), so this cap is what ends such a turn. 16 is well above
-# the parallel calls agents make in one turn, and a loop stops after 16 calls' worth of tokens.
-MAX_FORCED_CALLS = 16
+# budget (all the context left, when max_tokens is not set) runs out, and an agent would run every repeat. A
+# grammar cannot forbid a repeat (it is context-free: one item cannot be compared with another), so this cap is
+# what ends such a turn. A turn that needs more calls makes the rest on the next one (agents loop until the
+# model stops calling), so a low cap costs at most a turn where a loop costs every repeat's tokens and tool run.
+MAX_FORCED_CALLS = 8
 
 
 @dataclass(frozen=True)
