@@ -259,11 +259,12 @@ def test_a_looping_model_cut_short_on_chat(sdk):
 
 
 def test_the_cap_ends_a_looping_turn(sdk, monkeypatch):
+    """With the cap at 2 the grammar ends the list after two calls, long before the budget (without the cap
+    the loop would run to it: "length")."""
     monkeypatch.setattr(tools, "MAX_FORCED_CALLS", 2)
-    r = responses_sdk(sdk)
-    assert (r.status, len(search_calls([(item.name, item.arguments) for item in r.output]))) == ("completed", 2)
-    [choice] = chat_sdk(sdk).choices
-    assert (
-        choice.finish_reason,
-        len(search_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls])),
-    ) == ("tool_calls", 2)
+    r = responses_sdk(sdk, max_output_tokens=4 * BUDGET)
+    calls = search_calls([(item.name, item.arguments) for item in r.output])
+    assert (r.status, len(calls)) == ("completed", 2)
+    [choice] = chat_sdk(sdk, max_tokens=4 * BUDGET).choices
+    calls = search_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls])
+    assert (choice.finish_reason, len(calls)) == ("tool_calls", 2)
