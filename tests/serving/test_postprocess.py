@@ -14,6 +14,7 @@ from hybridserve.serving.postprocess import PostprocessPool
 from .fake_engine import FakeEngine
 from .helpers import PARIS, call_until_disconnect
 from .openapi_schema import check
+from .test_forced_calls import LOOP, cut_in_third_call
 from .test_responses import ASK, TEXT, events
 from .test_responses_store import paused_post, small_pages
 from .test_tools import CALL, TOOLS, script
@@ -69,6 +70,16 @@ def test_streamed_events_are_identical(tokenizer, pool, text):
     (local, _, _), (pooled, engine, _) = both(tokenizer, pool, body, [script(tokenizer, text)])
     assert normalized(events(pooled.text)) == normalized(events(local.text))
     assert events(pooled.text)[-1]["type"] == "response.completed"
+
+
+def test_forced_calls_cut_short_are_streamed_as_without_workers(tokenizer, pool):
+    body = {"input": ASK, "stream": True, "tools": TOOLS, "tool_choice": "required"}
+    body["max_output_tokens"] = cut_in_third_call(tokenizer)
+    (local, _, _), (pooled, _, _) = both(tokenizer, pool, body, [script(tokenizer, LOOP)])
+    assert normalized(events(pooled.text)) == normalized(events(local.text))
+    final = events(pooled.text)[-1]
+    assert final["type"] == "response.incomplete"
+    assert [item["type"] for item in final["response"]["output"]] == ["function_call"] * 2
 
 
 def test_engine_failure_mid_stream(tokenizer, pool):

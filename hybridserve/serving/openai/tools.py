@@ -7,6 +7,9 @@ Responses: web_search, local_shell, mcp, ...) are accepted and ignored with a wa
 Codex declare built-in tools a self-hosted model cannot run; a type OpenAI does not define there (a typo, a
 missing type) is a 400.
 
+Forced calls (tool_choice "required" or a named function) are a grammar (`forced_schema`, at most
+MAX_FORCED_CALLS calls) read back by forced.py.
+
 A chat template that knows no tools (SmolLM2's, for one) still serves agents: the tools, the assistant's
 earlier calls and the tool results are written into the messages in the Hermes format, which the hermes
 tool parser reads back.
@@ -29,7 +32,8 @@ from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 
 from hybridserve.serving.openai.errors import APIError
-from hybridserve.serving.parsers import Parsers, Piece, StreamParser, Text, ToolCall
+from hybridserve.serving.openai.forced import NamedCallParser, RequiredCallsParser
+from hybridserve.serving.parsers import Parsers, StreamParser
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,13 @@ MAX_PROBLEM_CHARS = 300
 # (256 of them, at most 16 MiB): agents send the same tools with every turn.
 OFF_LOOP_SCHEMA_CHARS = 2048
 MAX_CACHED_SCHEMA_CHARS = 64 * 1024
+# The most calls one forced turn ("required", parallel_tool_calls true) may make: the grammar's maxItems, after
+# which it allows only the array's end. A small model forced to call often repeats its call until the token
+# budget (all the context left, when max_tokens is not set) runs out, and an agent would run every repeat. A
+# grammar cannot forbid a repeat (it is context-free: one item cannot be compared with another), so this cap is
+# what ends such a turn. A turn that needs more calls makes the rest on the next one (agents loop until the
+# model stops calling), so a low cap costs at most a turn where a loop costs every repeat's tokens and tool run.
+MAX_FORCED_CALLS = 8
 
 
 @dataclass(frozen=True)
@@ -114,60 +125,23 @@ class ToolRequest:
             }
             for tool in self.tools
         ]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
-        if not self.parallel:
-            schema["maxItems"] = 1
-        return schema
-
-    def forced_calls(self, text: str) -> list[ToolCall | Text]:
-        """The calls in a forced output; text that is not the expected JSON (cut by max_tokens) stays text."""
-        if self.choice != "required":
-            return [ToolCall(self.choice, text.strip())] if _is_json(text) else [Text(text)]
-        try:
-            calls = json.loads(text)
-            return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
-        except (ValueError, TypeError, KeyError):
-            return [Text(text)]
+        maximum = MAX_FORCED_CALLS if self.parallel else 1
+        return {"type": "array", "minItems": 1, "maxItems": maximum, "items": {"anyOf": call}}
 
     def _tool(self, name: str) -> FunctionTool:
         return next(tool for tool in self.tools if tool.name == name)
 
 
-class ForcedCallParser:
-    """A forced call's output is JSON (enforced by a grammar): held whole, then read as calls."""
-
-    in_reasoning = False
-
-    def __init__(self, tools: ToolRequest) -> None:
-        self.tools = tools
-        self._text: list[str] = []
-
-    def feed(self, delta: str) -> list[Piece]:
-        self._text.append(delta)
-        return []
-
-    def finish(self) -> list[Piece]:
-        return list(self.tools.forced_calls("".join(self._text)))
-
-
 def output_parser(parsers: Parsers, prompt_text: str, tools: ToolRequest) -> StreamParser:
     """The parser for one generation of a request with these tools."""
     if tools.forced:
-        return ForcedCallParser(tools)
+        return RequiredCallsParser() if tools.choice == "required" else NamedCallParser(tools.choice)
     return parsers.for_request(prompt_text, tools.parse_calls)
 
 
 def required_by(tools: ToolRequest, mode: str | None) -> ToolRequest:
     """`tools` as a model whose extension enforces tool_choice "required" in `mode` serves them."""
     return dataclasses.replace(tools, by_template=mode == "template")
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
 
 
 async def tool_request(
