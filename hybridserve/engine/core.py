@@ -17,7 +17,7 @@ from hybridserve.engine.cache.events import KVEventLog
 from hybridserve.engine.cache.manager import KVCacheManager
 from hybridserve.engine.identity import weights_fingerprint
 from hybridserve.engine.kv_transfer.connector import KVConnector, TransferSettings
-from hybridserve.engine.kv_transfer.messages import RemoteDecode, RemotePrefill
+from hybridserve.engine.kv_transfer.messages import RemotePrefill
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.plan import SchedulerOutput
 from hybridserve.engine.prompt_limits import prompt_problem
@@ -121,8 +121,6 @@ class EngineCore:
                 return problem
             if transfer.source.num_tokens != n:
                 return f"the transfer covers {transfer.source.num_tokens} tokens but the prompt has {n}"
-        if isinstance(transfer, RemoteDecode) and core.sampling_params.structured_output is not None:
-            return "a request with structured output cannot be prefilled for another worker"
         bad = [t for t in core.prompt_token_ids if not 0 <= t < self.runner.vocab_size]
         if bad:
             return f"prompt token id {bad[0]} is outside the vocabulary (size {self.runner.vocab_size})"

@@ -58,3 +58,48 @@ def test_a_worker_off_loopback_needs_a_shared_secret(capsys, monkeypatch) -> Non
 def test_no_worker_at_all_is_refused() -> None:
     with pytest.raises(ValueError, match="a deployment needs at least one worker"):
         DeploymentConfig(num_workers=0)
+
+
+def test_disaggregated_pools_from_flags_and_file(tmp_path: Path) -> None:
+    local = _deployment(["--num-prefill-workers", "1", "--num-decode-workers", "2"])
+    assert (local.disaggregated, local.local_workers, local.num_all_workers, local.routing_policy) == (
+        True,
+        0,
+        3,
+        "kv_aware",
+    )
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(
+        "prefill_workers: [tcp://10.0.0.1:8100]\ndecode_workers: [tcp://10.0.0.2:8100]\nmax-local-prefill-tokens: 0\n"
+    )
+    args, _ = cli.parse_args(["serve", "--config", str(deploy)])
+    assert config_from(DeploymentConfig, args) == DeploymentConfig(
+        prefill_workers=["tcp://10.0.0.1:8100"], decode_workers=["tcp://10.0.0.2:8100"], max_local_prefill_tokens=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"num_prefill_workers": 1},
+            "a disaggregated deployment needs decode workers too: --num-decode-workers or --decode-worker "
+            "(it has 1 prefill and 0 decode workers)",
+        ),
+        (
+            {"decode_workers": ["tcp://127.0.0.1:8100"]},
+            "a disaggregated deployment needs prefill workers too: --num-prefill-workers or --prefill-worker "
+            "(it has 0 prefill and 1 decode workers)",
+        ),
+        (
+            {"num_prefill_workers": 1, "num_decode_workers": 1, "num_workers": 1},
+            "a deployment is either aggregated (--num-workers, --worker) or disaggregated (prefill and decode "
+            "workers), not both",
+        ),
+        ({"max_local_prefill_tokens": -1}, "max_local_prefill_tokens must be >= 0, got -1"),
+    ],
+)
+def test_bad_pools_are_refused_naming_what_is_missing(config: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        DeploymentConfig(**config)
+    assert str(info.value) == message

@@ -1,7 +1,8 @@
 """Disaggregated prefill and decode against aggregated serving, with real workers on loopback and NIXL between
 them: identical greedy tokens and logprobs (and seeded samples) for the default model and for the hybrid tiny
 models, whose recurrent state is what the transfer must carry exactly. Covers a prompt longer than the step
-budget, a prompt that hits the prefill worker's prefix cache, n > 1, and every cache's integrity afterwards."""
+budget, a prompt that hits the prefill worker's prefix cache, n > 1, a grammar-constrained request, and every
+cache's integrity afterwards."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from hybridserve.config import DeploymentConfig, EngineConfig
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.router.deploy import build_engine
-from hybridserve.sampling_params import SamplingParams
+from hybridserve.sampling_params import SamplingParams, StructuredOutput
 
 ENGINE = {
     "dtype": "float32",
@@ -40,7 +41,12 @@ async def _run(engine: AsyncLLM) -> list[list[tuple[list[int], list[float]]]]:
     """Per request, per choice: (token ids, logprobs of the sampled tokens)."""
     greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2)
     sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, n=2, logprobs=0)
-    jobs = [(p, greedy) for p in _prompts(engine)] + [(_prompts(engine)[0], sampled)]
+    # Constrained: the prefill worker samples the first token under the grammar, the decode worker feeds it in.
+    regex = SamplingParams(
+        max_tokens=10, temperature=0.0, logprobs=0, structured_output=StructuredOutput(regex="[a-z ]{3,9}")
+    )
+    first = _prompts(engine)[0]
+    jobs = [(p, greedy) for p in _prompts(engine)] + [(first, sampled), (first, regex)]
     results = []
     for i, (prompt, params) in enumerate(jobs):  # one at a time: the third must find the second's blocks
         choices: dict[int, tuple[list[int], list[float]]] = {}
