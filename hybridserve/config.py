@@ -93,6 +93,13 @@ class EngineConfig:
         "recently used (default: as many as state slots; 0 turns prefix hits off for these models)",
     )
     long_prefill_token_threshold: int = setting(0, "if >0, a prefill chunk takes at most this many tokens per step")
+    long_prefill_share: float = setting(
+        0.25,
+        "share of the step token budget a prefill chunk takes before the other requests of its priority have theirs "
+        "(new ones are admitted, shorter prefills go on), so a long prompt does not hold up short ones; what they "
+        "leave goes back to the prefills, fewest tokens left first, so a lone long prompt still fills the step (1: "
+        "a running prefill takes all the budget it can)",
+    )
     native_kernels: bool = setting(
         True,
         "on CPU, run decode attention and fused element-wise ops as C kernels built at start-up with the system C "
@@ -164,6 +171,10 @@ class EngineConfig:
             raise InvalidParameter(
                 "long_prefill_token_threshold",
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
+            )
+        if not 0 < self.long_prefill_share <= 1:
+            raise InvalidParameter(
+                "long_prefill_share", f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}"
             )
 
     def token_budget(self, device_type: str) -> int:

@@ -3,9 +3,14 @@
 Each step has a token budget. Running requests go first (a decode costs one token, an unfinished
 prefill its next chunk), then waiting requests are admitted while budget, sequence slots and KV
 blocks last (a prefill chunk may end early, at a block boundary whose recurrent state is snapshotted for
-later prefix hits). There is no prefill/decode phase: a request simply has tokens not yet computed. When
-blocks run out the most recently admitted request is preempted: it gives its blocks back and is
-recomputed later from its prompt plus the tokens it already produced, so its output is unchanged.
+later prefix hits). A prefill chunk first takes at most its share of the budget (`long_prefill_share`), so
+new requests are admitted and short prompts finish while a long one is chunked; the budget the others leave
+then goes back to the chunks the share cut short, fewest tokens left first, so a lone long prompt still fills
+the step. A share never lets work pass more urgent work: before a request of a higher priority value gets
+budget, the more urgent chunks get theirs back. There is no prefill/decode phase: a request simply has
+tokens not yet computed. When blocks run out the most recently admitted request is preempted: it gives its
+blocks back and is recomputed later from its prompt plus the tokens it already produced, so its output is
+unchanged.
 Priorities order both queues: a request waits behind every waiting request of a lower priority value, and
 the running list is kept in (priority, admission) order, so preemption takes the least urgent work first.
 
@@ -38,6 +43,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.token_budget(device_type)
         self.chunk_limit = config.long_prefill_token_threshold or self.max_num_batched_tokens
+        self.prefill_share = max(1, int(self.max_num_batched_tokens * config.long_prefill_share))
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -67,12 +73,14 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         new, self._introduced = self._introduced, []
+        capped: list[int] = []  # the entries of `scheduled` that took the prefill share, which may get more
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.chunk_limit)
-            n = self.kv.chunk_tokens(req, req.num_computed_tokens, n)
+            if not (budget := self._top_up(scheduled, capped, budget, req.priority)):
+                break
+            n = self._chunk(req, req.num_computed_tokens, min(budget, self.prefill_share))
             while not self.kv.allocate(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -80,21 +88,23 @@ class Scheduler:
                 if victim is req:
                     break
             else:
+                if n == self.prefill_share:
+                    capped.append(len(scheduled))
                 scheduled.append((req, n))
                 budget -= n
                 i += 1
         # Admitting new work right after a preemption would only thrash the cache.
-        while (
-            self.waiting and budget > 0 and len(self.running) + len(self.pulling) < self.max_num_seqs and not preempted
-        ):
+        while self.waiting and len(self.running) + len(self.pulling) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
+            if not (budget := self._top_up(scheduled, capped, budget, req.priority)):
+                break
             if req.pull_from is not None and req.status is RequestStatus.WAITING:
                 if not self._admit_pull(req):
                     break
                 continue
             cached = self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
-            n = self.kv.chunk_tokens(req, num_cached, min(req.num_tokens - num_cached, budget, self.chunk_limit))
+            n = self._chunk(req, num_cached, min(budget, self.prefill_share))
             if not self.kv.allocate(req, n, cached):
                 break
             self.waiting.popleft()
@@ -104,8 +114,11 @@ class Scheduler:
             req.move_to(RequestStatus.RUNNING)
             req.num_computed_tokens = num_cached
             self._run(req)
+            if n == self.prefill_share:
+                capped.append(len(scheduled))
             scheduled.append((req, n))
             budget -= n
+        self._top_up(scheduled, capped, budget)
         plan = [self._scheduled(req, n) for req, n in scheduled]
         ops = self.kv.take_ops()
         finished, self.finished_ids = self.finished_ids, []
@@ -169,6 +182,33 @@ class Scheduler:
         prompt = len(req.prompt_token_ids)
         blocks = self.kv.block_ids(req.request_id)[: -(-prompt // self.kv.block_size)]
         return TransferSource(self.transfer_agent, req.request_id, blocks, slot, prompt, req.num_cached_tokens)
+
+    def _chunk(self, req: Request, start: int, budget: int) -> int:
+        """The next chunk of `req` from `start` within `budget`: at most long_prefill_token_threshold tokens,
+        ended at its next snapshot point."""
+        return self.kv.chunk_tokens(req, start, min(req.num_tokens - start, budget, self.chunk_limit))
+
+    def _top_up(
+        self, scheduled: list[tuple[Request, int]], capped: list[int], budget: int, below: int | None = None
+    ) -> int:
+        """Hand `budget` to the chunks that took the prefill share (those of a priority value under `below`, or
+        all), the request with the fewest tokens left first; returns what is left. The share lets others in,
+        never ahead of more urgent work, and what they leave is not lost."""
+
+        def rank(j: int) -> tuple[int, int]:
+            req = scheduled[j][0]
+            return req.priority, req.num_tokens - req.num_computed_tokens
+
+        for j in sorted(capped, key=rank):
+            req, n = scheduled[j]
+            if not budget or (below is not None and req.priority >= below):
+                break
+            capped.remove(j)
+            more = self._chunk(req, req.num_computed_tokens, n + budget)
+            if more > n and self.kv.allocate(req, more):
+                scheduled[j] = (req, more)
+                budget -= more - n
+        return budget
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         """The plan's entry for `n` tokens of `req`, whose blocks are allocated; books its snapshot."""

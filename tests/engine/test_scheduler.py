@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import pytest
@@ -12,7 +13,7 @@ from hybridserve.engine.protocol import EngineCoreRequest, FinishReason, Schedul
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.sampler import SampleResult
 from hybridserve.engine.scheduler import Scheduler
-from hybridserve.sampling_params import SamplingParams
+from hybridserve.sampling_params import InvalidParameter, SamplingParams
 
 EOS = 0
 BS = 4
@@ -126,6 +127,88 @@ def test_long_prefill_threshold_caps_each_chunk() -> None:
     assert h.step() == [("a", 1, True), ("b", 1, True)]
 
 
+# a long prompt's share of the step: by default a quarter of the budget before the others have theirs
+
+
+def test_a_short_request_is_admitted_while_a_long_prompt_is_chunked() -> None:
+    h = Harness(max_num_batched_tokens=16)  # a share of 4 tokens
+    h.add("long", prompt(100), max_tokens=2)
+    assert h.step() == [("long", 16, False)]  # alone it still fills the step
+    short = h.add("short", prompt(6, base=500), max_tokens=3)
+    # long takes its share, short is admitted with its own, and what is left goes first to short, which needs
+    # fewer tokens: it samples in the step it arrived for, and long fills the rest.
+    assert h.step() == [("long", 10, False), ("short", 6, True)]
+    assert short.output_token_ids == [1000]
+    assert h.step() == [("long", 15, False), ("short", 1, True)]
+    assert h.step() == [("long", 15, False), ("short", 1, True)]
+    assert short.status is RequestStatus.FINISHED
+    assert h.step() == [("long", 16, False)]
+    assert h.step() == [("long", 16, False)]
+    assert h.step() == [("long", 12, True)]
+
+
+def test_a_lone_long_prompt_fills_the_budget_next_to_decodes() -> None:
+    h = Harness(max_num_batched_tokens=16)
+    h.add("a", prompt(3))
+    h.step()
+    h.add("long", prompt(40, base=200))
+    assert h.step() == [("a", 1, True), ("long", 15, False)]
+    assert h.step() == [("a", 1, True), ("long", 15, False)]
+    assert h.step() == [("a", 1, True), ("long", 10, True)]
+
+
+def test_what_the_shares_leave_goes_to_the_prefill_with_fewest_tokens_left() -> None:
+    h = Harness(max_num_batched_tokens=16)
+    h.add("a", prompt(30))
+    h.add("b", prompt(20, base=200))
+    h.add("c", prompt(9, base=300))
+    assert h.step() == [("a", 4, False), ("b", 4, False), ("c", 8, False)]
+    assert h.step() == [("a", 4, False), ("b", 11, False), ("c", 1, True)]
+
+
+def test_a_waiting_batch_request_does_not_take_an_online_prefill_share() -> None:
+    h = Harness(max_num_batched_tokens=16)
+    h.add("online", prompt(40))
+    assert h.step() == [("online", 16, False)]
+    h.add("batch", prompt(4, base=200), priority=1)
+    assert h.step() == [("online", 16, False)]
+    assert h.step() == [("online", 8, True), ("batch", 4, True)]
+
+
+def test_an_online_request_is_admitted_while_a_batch_prompt_is_chunked() -> None:
+    h = Harness(max_num_batched_tokens=16)
+    h.add("batch", prompt(40), priority=1)
+    assert h.step() == [("batch", 16, False)]
+    h.add("online", prompt(6, base=200))
+    assert h.step() == [("batch", 10, False), ("online", 6, True)]
+    assert h.running() == ["online", "batch"]
+    assert h.step() == [("online", 1, True), ("batch", 14, True)]
+
+
+def test_a_running_batch_prefill_does_not_take_an_online_prefill_share() -> None:
+    h = Harness(max_num_batched_tokens=16)
+    h.add("batch", prompt(40), priority=1)
+    h.add("online", prompt(30, base=200))
+    assert h.step() == [("online", 16, False)]
+    assert h.running() == ["online"]
+    assert h.step() == [("online", 14, True), ("batch", 2, False)]
+
+
+def test_share_one_lets_a_running_prefill_take_the_whole_budget() -> None:
+    h = Harness(max_num_batched_tokens=16, long_prefill_share=1.0)
+    h.add("long", prompt(40))
+    h.step()
+    h.add("short", prompt(6, base=500))
+    assert h.step() == [("long", 16, False)]
+    assert h.step() == [("long", 8, True), ("short", 6, True)]
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5, float("nan")])
+def test_long_prefill_share_must_be_a_fraction(share: float) -> None:
+    with pytest.raises(InvalidParameter, match=re.escape(f"long_prefill_share must be in (0, 1], got {share}")):
+        EngineConfig(long_prefill_share=share)
+
+
 def test_decodes_go_before_new_prefills_and_prefills_take_the_rest() -> None:
     h = Harness(max_num_batched_tokens=8)
     h.add("a", prompt(3))
@@ -134,11 +217,12 @@ def test_decodes_go_before_new_prefills_and_prefills_take_the_rest() -> None:
     h.add("c", prompt(20, base=300))
     assert h.step() == [("a", 1, True), ("b", 1, True), ("c", 6, False)]
     h.add("d", prompt(4, base=400))
-    # c's unfinished prefill is running work too: it goes before d, which gets nothing this step.
-    assert h.step() == [("a", 1, True), ("b", 1, True), ("c", 6, False)]
-    assert h.waiting() == ["d"]
-    assert h.step() == [("a", 1, True), ("b", 1, True), ("c", 6, False)]
-    assert h.step() == [("a", 1, True), ("b", 1, True), ("c", 2, True), ("d", 4, True)]
+    # c's unfinished prefill is running work too, but takes only its share (2 of 8) before d has its own;
+    # what is left goes to d first, which has fewer tokens left: d samples at once.
+    assert h.step() == [("a", 1, True), ("b", 1, True), ("c", 2, False), ("d", 4, True)]
+    assert h.step() == [("a", 1, True), ("b", 1, True), ("c", 5, False), ("d", 1, True)]
+    assert h.step() == [("a", 1, True), ("b", 1, True), ("c", 5, False), ("d", 1, True)]
+    assert h.step() == [("a", 1, True), ("b", 1, True), ("c", 2, True), ("d", 1, True)]
 
 
 def test_max_num_seqs_caps_running_requests() -> None:
@@ -353,7 +437,7 @@ def test_request_preempting_itself() -> None:
 
 
 def test_resumed_request_reuses_its_own_cached_blocks() -> None:
-    h = Harness(num_blocks=5, max_num_batched_tokens=8)
+    h = Harness(num_blocks=5, max_num_batched_tokens=8, long_prefill_share=1.0)  # q's prompt whole, first
     q = h.add("q", prompt(7), max_tokens=3)
     r = h.add("r", prompt(13, base=200))
     assert h.step() == [("q", 7, True), ("r", 1, False)]
@@ -369,7 +453,7 @@ def test_resumed_request_reuses_its_own_cached_blocks() -> None:
 def test_num_cached_tokens_is_the_hit_at_first_admission() -> None:
     """Same scenario as above: r got no prefix hit when first admitted, so its prompt had 0 cached
     tokens; recomputing after a preemption (it hits its own blocks) must not change that."""
-    h = Harness(num_blocks=5, max_num_batched_tokens=8)
+    h = Harness(num_blocks=5, max_num_batched_tokens=8, long_prefill_share=1.0)
     h.add("q", prompt(7), max_tokens=3)
     r = h.add("r", prompt(13, base=200))
     h.step()
