@@ -22,8 +22,11 @@ BS = 4
 class Harness:
     """A scheduler, its cache and a fake model that samples scripted tokens (1000, 1001, ... by default)."""
 
-    def __init__(self, num_blocks: int = 64, prefix: bool = True, max_model_len: int = 1024, **config) -> None:
-        self.kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=prefix)
+    def __init__(
+        self, num_blocks: int = 64, prefix: bool = True, max_model_len: int = 1024, states: int = 0, **config
+    ) -> None:
+        """`states`: a hybrid model's state slots, and as many snapshots."""
+        self.kv = KVCacheManager(num_blocks, BS, prefix, num_state_slots=states, num_state_snapshots=states)
         self.sched = Scheduler(EngineConfig(block_size=BS, enable_prefix_caching=prefix, **config), self.kv, "cpu")
         self.max_model_len = max_model_len
         self.scripts: dict[str, list[int]] = {}
@@ -192,6 +195,16 @@ def test_a_running_batch_prefill_does_not_take_an_online_prefill_share() -> None
     assert h.step() == [("online", 16, False)]
     assert h.running() == ["online"]
     assert h.step() == [("online", 14, True), ("batch", 2, False)]
+
+
+def test_the_hand_back_ends_a_hybrid_chunk_at_its_snapshot_point() -> None:
+    h = Harness(max_num_batched_tokens=16, states=4)
+    h.add("long", prompt(40))  # snapshot point at 36, the last block boundary before its last token
+    assert h.step() == [("long", 16, False)]
+    h.add("short", prompt(6, base=500))  # snapshot point at 4
+    assert h.step() == [("long", 12, False), ("short", 4, False)]
+    assert h.step() == [("long", 8, False), ("short", 2, True)]  # budget left, but long stops at 36
+    assert h.step() == [("long", 4, True), ("short", 1, True)]
 
 
 def test_share_one_lets_a_running_prefill_take_the_whole_budget() -> None:
