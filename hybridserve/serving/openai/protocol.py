@@ -11,9 +11,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from hybridserve.sampling_params import InvalidParameter, SamplingDefaults, SamplingParams
+from hybridserve.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_TEMPERATURE,
+    InvalidParameter,
+    SamplingDefaults,
+    SamplingParams,
+)
 from hybridserve.serving.openai.errors import APIError, invalid_parameter
 
 
@@ -21,6 +28,15 @@ class RequestModel(BaseModel):
     """A request body's model (or a part of one): strict JSON types, finite numbers."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+def ranged(default: Any = None, **bounds: float) -> Any:
+    """A field whose published schema states the range SamplingParams checks (`minimum`, `exclusiveMinimum`,
+    `maximum`); the check itself stays SamplingParams', whose error names the field and the value."""
+    return Field(default, json_schema_extra=bounds)
+
+
+LOGPROBS_RANGE = {"minimum": 0, "maximum": MAX_LOGPROBS}
 
 
 class StreamOptions(RequestModel):
@@ -31,22 +47,22 @@ class SamplingRequest(RequestModel):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = 1
+    max_tokens: int | None = ranged(minimum=1)
+    temperature: float | None = ranged(minimum=0, maximum=MAX_TEMPERATURE)
+    top_p: float | None = ranged(exclusiveMinimum=0, maximum=1)
+    n: int | None = ranged(1, minimum=1, maximum=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    seed: int | None = ranged(minimum=-(2**63), maximum=2**63 - 1)
+    presence_penalty: float | None = ranged(minimum=-2, maximum=2)
+    frequency_penalty: float | None = ranged(minimum=-2, maximum=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: int | None = ranged(minimum=-1)
+    min_p: float | None = ranged(minimum=0, maximum=1)
+    repetition_penalty: float | None = ranged(exclusiveMinimum=0)
+    min_tokens: int | None = ranged(minimum=0)
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
@@ -110,9 +126,9 @@ class ChatMessage(RequestModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = ranged(minimum=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = ranged(**LOGPROBS_RANGE)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -155,7 +171,7 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = ranged(**LOGPROBS_RANGE)
     suffix: str | None = None
     best_of: int | None = None
 
