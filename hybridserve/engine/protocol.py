@@ -56,6 +56,8 @@ class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True):
     num_cached_tokens: int = 0
     error: str | None = None
     unavailable: bool = False  # with finish reason error: the worker serving it went down (retrying may succeed)
+    # With the first output of a request that asked for them: prompt tokens 1..P-1 (token 0 has no logprob).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class SchedulerStats(msgspec.Struct, frozen=True, array_like=True):

@@ -46,7 +46,7 @@ class Request:
         # Set once the grammar of params.structured_output is compiled, before the request is scheduled.
         self.grammar: SequenceGrammar | None = None
         budget = max_model_len - len(self.prompt_token_ids)
-        self.max_output_tokens = min(self.params.max_tokens or budget, budget)
+        self.max_output_tokens = budget if self.params.max_tokens is None else min(self.params.max_tokens, budget)
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +94,11 @@ class Request:
         return False
 
     def output(
-        self, new_ids: list[int], logprobs: list[TokenLogprobs] | None = None, error: str | None = None
+        self,
+        new_ids: list[int],
+        logprobs: list[TokenLogprobs] | None = None,
+        error: str | None = None,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
     ) -> EngineCoreOutput:
         """What the frontend hears of this request after a step: new tokens, and how it ended if it did."""
         return EngineCoreOutput(
@@ -106,4 +110,5 @@ class Request:
             num_prompt_tokens=len(self.prompt_token_ids),
             num_cached_tokens=self.num_cached_tokens,
             error=error,
+            prompt_logprobs=prompt_logprobs,
         )

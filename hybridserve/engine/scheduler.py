@@ -118,12 +118,17 @@ class Scheduler:
         outputs = []
         for rid in plan.sampling_ids:
             req, result = self.requests[rid], sampled[rid]
+            if req.max_output_tokens == 0:  # the prompt only (its logprobs): done at prefill, the token unused
+                req.finish(FinishReason.LENGTH)
+                outputs.append(req.output([], prompt_logprobs=result.prompt_logprobs))
+                continue
             req.output_token_ids.append(result.token_id)
             if req.grammar is not None and not req.grammar.accept(result.token_id):  # the mask forbids this
                 outputs.append(self.fail(req, f"grammar rejected sampled token {result.token_id}"))
                 continue
             req.check_stop()
-            outputs.append(req.output([result.token_id], None if result.logprobs is None else [result.logprobs]))
+            logprobs = None if result.logprobs is None else [result.logprobs]
+            outputs.append(req.output([result.token_id], logprobs, prompt_logprobs=result.prompt_logprobs))
         for req in [r for r in self.running if r.status is RequestStatus.FINISHED]:
             self.running.remove(req)
             self._release(req, seen=True)
