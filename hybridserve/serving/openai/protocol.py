@@ -67,6 +67,7 @@ class SamplingRequest(RequestModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = ranged(**LOGPROBS_RANGE)  # vLLM's: each prompt token's logprob and top k
 
     @property
     def include_usage(self) -> bool:
@@ -83,10 +84,14 @@ class SamplingRequest(RequestModel):
         renames: dict[str, str],
         vocab_size: int,
         defaults: SamplingDefaults,
+        prompt_logprobs: int | None = None,
+        prompt_only: bool = False,
     ) -> SamplingParams:
         """Validated SamplingParams, `defaults` where the request leaves a field out; an out-of-range value is a
-        400 naming the request's field."""
+        400 naming the request's field. `prompt_only`: max_tokens may be 0 (the prompt's logprobs, no output)."""
         try:
+            if max_tokens is not None and not prompt_only and max_tokens < 1:
+                raise InvalidParameter("max_tokens", f"max_tokens must be at least 1, got {max_tokens}")
             return SamplingParams(
                 n=_default(self.n, 1),
                 temperature=_default(self.temperature, defaults.temperature),
@@ -99,6 +104,7 @@ class SamplingRequest(RequestModel):
                 repetition_penalty=_default(self.repetition_penalty, defaults.repetition_penalty),
                 logit_bias=_logit_bias(self.logit_bias, vocab_size),
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 max_tokens=max_tokens,
                 min_tokens=_default(self.min_tokens, 0),
                 stop=_stop(self.stop),
@@ -170,6 +176,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = ranged(minimum=0)  # 0: the prompt only (with echo and logprobs: scoring it)
     echo: bool | None = False
     logprobs: int | None = ranged(**LOGPROBS_RANGE)
     suffix: str | None = None
@@ -180,8 +187,12 @@ class CompletionRequest(SamplingRequest):
             raise APIError(400, "suffix is not supported by this server.", param="suffix")
         if self.best_of is not None and self.best_of != _default(self.n, 1):
             raise APIError(400, "best_of is not supported by this server (it must equal n).", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported: prompt logprobs are not computed.", param="echo")
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token to compute: echo with logprobs (OpenAI's legacy way to score a prompt)
+        reports the prompt's tokens as it reports the output's; vLLM's prompt_logprobs adds its own field."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(wanted) if wanted else None
 
 
 def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
