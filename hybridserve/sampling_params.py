@@ -73,7 +73,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: off; k >= 0: sampled token plus k alternatives
-    max_tokens: int | None = None  # None: up to the context limit
+    # None: off; k >= 0: each prompt token's logprob (but the first's) plus k alternatives, with the first output
+    prompt_logprobs: int | None = None
+    max_tokens: int | None = None  # None: up to the context limit; 0: the prompt only (e.g. its logprobs)
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -105,10 +107,12 @@ class SamplingParams:
         )
         for token_id, bias in self.logit_bias.items():
             _check(-100.0 <= bias <= 100.0, "logit_bias", bias, f"(token {token_id}) must be in [-100, 100]")
-        if self.logprobs is not None:
-            _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(0 <= value <= MAX_LOGPROBS, name, value, f"must be in [0, {MAX_LOGPROBS}]")
         if self.max_tokens is not None:
-            _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be at least 1")
+            _check(self.max_tokens >= 0, "max_tokens", self.max_tokens, "must be non-negative")
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be non-negative")
         if self.max_tokens is not None:
             _check(

@@ -56,6 +56,8 @@ class LLM:
                 update = choices.feed(out)
                 if update is None:
                     continue
+                if update.prompt_logprobs is not None:
+                    final.prompt_logprobs = update.prompt_logprobs
                 token_ids[out.request_id].extend(update.delta_token_ids)
                 logprobs[out.request_id].extend(update.delta_logprobs or [])
                 if update.finish_reason is not None:

@@ -7,6 +7,7 @@ generator across preemption)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import time
@@ -18,6 +19,7 @@ import torch
 from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.state_tensors import StateTensors
 from hybridserve.engine.plan import SchedulerOutput
+from hybridserve.engine.prompt_logprobs import PromptLogprobs
 from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
 from hybridserve.engine.structured_output import TokenMask
 from hybridserve.models.cache_specs import AttentionSpec, CacheLayout, LinearStateSpec
@@ -179,12 +181,14 @@ class ModelRunner:
         for rid in plan.finished_ids:
             self.requests.pop(rid, None)
         for new in plan.new_requests:
-            outputs = list(new.output_token_ids)
-            state = SamplingState.create(
-                new.sampling_params, new.prompt_token_ids, outputs, new.eos_token_ids, self.device
-            )
+            params = new.sampling_params
+            outputs = list(new.output_token_ids)  # sampled elsewhere: a prefill worker's first token
+            state = SamplingState.create(params, new.prompt_token_ids, outputs, new.eos_token_ids, self.device)
             state.skip_draws(len(outputs), self.vocab_size)
-            self.requests[new.request_id] = _RunnerRequest([], state)
+            # A remotely prefilled request's prompt logprobs came from its prefill worker.
+            wanted = params.prompt_logprobs is not None and not outputs
+            prompt = PromptLogprobs(new.prompt_token_ids, params.prompt_logprobs) if wanted else None
+            self.requests[new.request_id] = _RunnerRequest([], state, prompt)
         for s in plan.scheduled:
             req = self.requests.get(s.request_id)
             if req is None:
@@ -281,21 +285,29 @@ class ModelRunner:
         self, plan: SchedulerOutput, hidden: torch.Tensor, mask: TokenMask | None = None
     ) -> dict[str, SampleResult]:
         """The next token of every request that samples in `plan`, from the hidden states `forward` returned;
-        `mask` limits the constrained rows (rows in the order of plan.sampling_ids) to their grammar."""
+        `mask` limits the constrained rows (rows in the order of plan.sampling_ids) to their grammar. A request
+        that asked for prompt logprobs gets them with its first token."""
         rows: list[int] = []
         offset = 0
         for s in plan.scheduled:
+            prompt = self.requests[s.request_id].prompt_logprobs
+            if prompt is not None and (picked := prompt.rows(s.start, s.num_tokens)):
+                chunk = hidden[offset + picked.start : offset + picked.stop]
+                prompt.add(chunk, s.start + picked.start, self.model.compute_logits, self.vocab_size)
             offset += s.num_tokens
             if s.samples:
                 rows.append(offset - 1)
         if not rows:
             return {}
         ids = plan.sampling_ids
-        states = [self.requests[rid].sampling for rid in ids]
+        requests = [self.requests[rid] for rid in ids]
+        states = [req.sampling for req in requests]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         results = self.sampler(logits, states, mask)
-        for state, result in zip(states, results, strict=True):
-            state.output_token_ids.append(result.token_id)
+        for i, (req, result) in enumerate(zip(requests, results, strict=True)):
+            req.sampling.output_token_ids.append(result.token_id)
+            if req.prompt_logprobs is not None and (taken := req.prompt_logprobs.take()) is not None:
+                results[i] = dataclasses.replace(result, prompt_logprobs=taken)
         return dict(zip(ids, results, strict=True))
 
 
@@ -305,3 +317,4 @@ class _RunnerRequest:
 
     block_ids: list[int]
     sampling: SamplingState
+    prompt_logprobs: PromptLogprobs | None  # the request asked for them

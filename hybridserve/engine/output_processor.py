@@ -36,6 +36,7 @@ class SequenceOutput:
         self._held = ""  # detokenized but not released: might start a stop string
         self._ids: list[int] = []  # not yet reported
         self._logprobs: list[Logprob] = []  # not yet reported
+        self._prompt_logprobs: list[Logprob | None] | None = None  # not yet reported
         self._num_output_tokens = 0
         self._finish_reason: str | None = None
         self._stop_reason: int | str | None = None
@@ -58,6 +59,8 @@ class SequenceOutput:
         self._ids.extend(ids)
         if self._params.logprobs is not None:
             self._logprobs.extend(self._convert(lp) for lp in out.new_logprobs or ())
+        if out.prompt_logprobs is not None:
+            self._prompt_logprobs = [None, *map(self._convert, out.prompt_logprobs)]
         text_ids = ids[:-1] if self._ends_on_stop_token(out) else ids
         # Stop strings apply from min_tokens on: the text of earlier tokens is released unchecked.
         unchecked = max(0, min(len(text_ids), self._params.min_tokens - self._num_output_tokens))
@@ -121,8 +124,8 @@ class SequenceOutput:
         return longest
 
     def _report(self, delta: str, error: str | None, unavailable: bool = False) -> CompletionOutput:
-        ids, logprobs = self._ids, self._logprobs
-        self._ids, self._logprobs = [], []
+        ids, logprobs, prompt_logprobs = self._ids, self._logprobs, self._prompt_logprobs
+        self._ids, self._logprobs, self._prompt_logprobs = [], [], None
         return CompletionOutput(
             index=self._index,
             delta_text=delta,
@@ -134,6 +137,7 @@ class SequenceOutput:
             stop_reason=self._stop_reason,
             error=error,
             unavailable=unavailable,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _convert(self, lp: TokenLogprobs) -> Logprob:
@@ -152,6 +156,7 @@ class SequenceOutput:
             list(token_bytes(self._tokenizer, lp.token_id)),
             lp.logprob,
             top,
+            lp.rank,
         )
 
 

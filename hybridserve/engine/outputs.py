@@ -15,13 +15,14 @@ class TopLogprob:
 
 @dataclass(frozen=True)
 class Logprob:
-    """The sampled token and its top alternatives (best first)."""
+    """The sampled (or prompt) token and its top alternatives (best first)."""
 
     token_id: int
     token: str
     bytes: list[int]
     logprob: float
     top: list[TopLogprob]
+    rank: int | None = None  # 1-based, in the whole distribution (ties count against the token)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
     unavailable: bool = False  # with finish reason error: its worker went down; retrying may succeed
+    # In the first update after the engine computed them (params.prompt_logprobs): one per prompt token, the
+    # first None (nothing precedes it).
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -70,3 +74,4 @@ class FinalOutput:
     prompt_token_ids: list[int]
     num_cached_tokens: int
     outputs: list[Completion] = field(default_factory=list)
+    prompt_logprobs: list[Logprob | None] | None = None  # as in CompletionOutput, if asked for

@@ -61,6 +61,8 @@ class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True):
     unavailable: bool = False  # with finish reason error: the worker serving it went down (retrying may succeed)
     # A RemoteDecode request after its first token: where its KV and state wait for the decode worker.
     kv_transfer: TransferSource | None = None
+    # With the first output of a request that asked for them: prompt tokens 1..P-1 (token 0 has no logprob).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class SchedulerStats(msgspec.Struct, frozen=True, array_like=True):

@@ -59,7 +59,7 @@ class Request:
         # Set once the grammar of params.structured_output is compiled, before the request is scheduled.
         self.grammar: SequenceGrammar | None = None
         budget = max_model_len - len(self.prompt_token_ids)
-        self.max_output_tokens = min(self.params.max_tokens or budget, budget)
+        self.max_output_tokens = budget if self.params.max_tokens is None else min(self.params.max_tokens, budget)
 
     @property
     def num_tokens(self) -> int:
@@ -112,6 +112,7 @@ class Request:
         logprobs: list[TokenLogprobs] | None = None,
         error: str | None = None,
         kv_transfer: TransferSource | None = None,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
     ) -> EngineCoreOutput:
         """What the frontend hears of this request after a step: new tokens, and how it ended if it did."""
         return EngineCoreOutput(
@@ -124,4 +125,5 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             error=error,
             kv_transfer=kv_transfer,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -79,6 +79,7 @@ class SamplingState:
 class SampleResult:
     token_id: int
     logprobs: TokenLogprobs | None  # None unless params.logprobs is not None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with a request's first token, if it asked for them
 
 
 class Sampler:
@@ -115,7 +116,7 @@ class Sampler:
         by_row: dict[int, TokenLogprobs] = {}
         if want:
             ks = [states[i].params.logprobs or 0 for i in want]
-            by_row = dict(zip(want, _token_logprobs(raw_logprobs, tokens[want_idx], ks), strict=True))
+            by_row = dict(zip(want, token_logprobs(raw_logprobs, tokens[want_idx], ks), strict=True))
         return [SampleResult(t, by_row.get(i)) for i, t in enumerate(tokens.tolist())]
 
 
@@ -249,7 +250,8 @@ def _race_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_().neg_()
 
 
-def _token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+    """Per row of log-probabilities `raw` [B, V]: the logprob and rank of `tokens`[row] and the top ks[row]."""
     chosen = raw.gather(1, tokens.unsqueeze(1))
     ranks = (raw >= chosen).sum(dim=-1)  # ties count against the sampled token, as vLLM ranks
     top_values, top_ids = raw.topk(max(ks), dim=-1)

@@ -236,15 +236,23 @@ class Scheduler:
         outputs = []
         for rid in plan.sampling_ids:
             req, result = self.requests[rid], sampled[rid]
+            if req.max_output_tokens == 0:  # the prompt only (its logprobs): done at prefill, the token unused
+                req.finish(FinishReason.LENGTH)
+                outputs.append(req.output([], prompt_logprobs=result.prompt_logprobs))
+                continue
             req.output_token_ids.append(result.token_id)
             if req.grammar is not None and not req.grammar.accept(result.token_id):  # the mask forbids this
                 outputs.append(self.fail(req, f"grammar rejected sampled token {result.token_id}"))
                 continue
             logprobs = None if result.logprobs is None else [result.logprobs]
+            prompt_logprobs = result.prompt_logprobs
             if not req.check_stop() and req.remote_decode and len(req.output_token_ids) == 1:
-                outputs.append(req.output([result.token_id], logprobs, kv_transfer=self._hold(req)))
+                source = self._hold(req)
+                outputs.append(
+                    req.output([result.token_id], logprobs, kv_transfer=source, prompt_logprobs=prompt_logprobs)
+                )
                 continue
-            outputs.append(req.output([result.token_id], logprobs))
+            outputs.append(req.output([result.token_id], logprobs, prompt_logprobs=prompt_logprobs))
         for req in [r for r in self.running if r.status in (RequestStatus.FINISHED, RequestStatus.HELD)]:
             self.running.remove(req)
             if req.status is RequestStatus.FINISHED:

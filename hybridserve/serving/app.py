@@ -15,12 +15,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions import ServingExtension, extension_for
 from hybridserve.serving.metrics import ServingMetrics
+from hybridserve.serving.openai.batches.protocol import CreateBatchRequest
 from hybridserve.serving.openai.batches.routes import add_files_and_batches
 from hybridserve.serving.openai.batches.runner import BatchSettings
 from hybridserve.serving.openai.body import DEFAULT_MAX_BODY_BYTES, parse_body
 from hybridserve.serving.openai.endpoints import GenerationServices
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, install_error_handlers, json_response
 from hybridserve.serving.openai.models import ModelsService
+from hybridserve.serving.openai.openapi import errors, json_body, publish
 from hybridserve.serving.openai.prompt import template_supports_tools
 from hybridserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hybridserve.serving.openai.responses.protocol import ResponsesRequest
@@ -91,7 +93,7 @@ def build_app(
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
-    @app.get("/health")
+    @app.get("/health", responses=errors(503))
     async def health() -> Response:
         try:
             await engine.check_health()
@@ -115,37 +117,47 @@ def build_app(
     async def list_models() -> Response:
         return json_response(models.list())
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=errors(404))
     async def retrieve_model(model: str) -> Response:
         return json_response(models.retrieve(model))
 
-    @app.post("/v1/chat/completions")
+    generation_errors = errors(400, 404, 413, 503)
+
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=json_body(ChatCompletionRequest, streams=True),
+        responses=generation_errors,
+    )
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(await parse_body(request, ChatCompletionRequest, max_body_bytes), request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest, streams=True), responses=generation_errors)
     async def create_completion(request: Request) -> Response:
         return await completions.create(await parse_body(request, CompletionRequest, max_body_bytes), request)
 
-    @app.post("/v1/responses")
+    @app.post(
+        "/v1/responses",
+        openapi_extra=json_body(ResponsesRequest, streams=True),
+        responses=errors(400, 404, 413, 503, 507),
+    )
     async def create_response(request: Request) -> Response:
         return await responses.create(await parse_body(request, ResponsesRequest, max_body_bytes), request)
 
-    @app.get("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}", responses=errors(400, 404))
     async def retrieve_response(response_id: str, stream: bool = False, starting_after: int | None = None):
         if stream:
             return responses.replay(response_id, starting_after)
         return json_response(responses.retrieve(response_id))
 
-    @app.post("/v1/responses/{response_id}/cancel")
+    @app.post("/v1/responses/{response_id}/cancel", responses=errors(400, 404))
     async def cancel_response(response_id: str) -> Response:
         return json_response(await responses.cancel(response_id))
 
-    @app.delete("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}", responses=errors(400, 404))
     async def delete_response(response_id: str) -> Response:
         return json_response(responses.delete(response_id))
 
-    @app.get("/v1/responses/{response_id}/input_items")
+    @app.get("/v1/responses/{response_id}/input_items", responses=errors(400, 404))
     async def list_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None):
         return json_response(responses.input_items(response_id, limit, order, after))
 
@@ -158,6 +170,7 @@ def build_app(
         batch_settings or BatchSettings(),
         max_body_bytes,
     )
+    publish(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, CreateBatchRequest])
     return app
 
 

@@ -218,8 +218,21 @@ def test_logprobs_conversion(tokenizer):
                 TopLogprob(hello, "Hello", hello_bytes, -0.25),
                 TopLogprob(emoji_start, " \ufffd", [32, 240, 159], -2.0),
             ],
+            rank=1,
         )
     ]
+
+
+def test_prompt_logprobs_are_reported_once_with_a_null_first_entry(tokenizer):
+    hello, emoji_start = 19556, 15107
+    seq = make(tokenizer, prompt_logprobs=1)
+    prompt = [TokenLogprobs(emoji_start, -3.0, 7, [(hello, -0.5)])]
+    result = seq.update(engine_out([hello], prompt_logprobs=prompt))
+    assert result.prompt_logprobs is not None and result.prompt_logprobs[0] is None
+    [lp] = result.prompt_logprobs[1:]
+    assert (lp.token_id, lp.token, lp.logprob, lp.rank) == (emoji_start, " \ufffd", -3.0, 7)
+    assert [(t.token_id, t.token, t.logprob) for t in lp.top] == [(hello, "Hello", -0.5)]
+    assert seq.update(engine_out([hello])).prompt_logprobs is None
 
 
 def test_logprobs_of_held_back_tokens_go_out_with_their_text(tokenizer):

@@ -6,7 +6,8 @@ takes the next one for all its sequences, and falls back to `scripts` once the q
 It finishes with "stop" when its script runs out, a stop string appears or a stop token id is emitted, and with
 "length" at max_tokens. Logprobs are synthetic and exact:
 token at position p has logprob -(p + 1) / 8, and its top list is [sampled, id+1, id+2, ...] with
-logprobs lp, lp - 1, lp - 2, ... (binary fractions, so tests compare them with ==).
+logprobs lp, lp - 1, lp - 2, ... (binary fractions, so tests compare them with ==). Prompt logprobs follow the
+same rule, p being the prompt position (the first token's is None).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class FakeEngine:
     def logprob(self, token_id: int, position: int, k: int) -> Logprob:
         lp = -(position + 1) / 8
         top = [self._top(token_id + j, lp - j) for j in range(k)]
-        return Logprob(token_id, self._text(token_id), self._bytes(token_id), lp, top)
+        return Logprob(token_id, self._text(token_id), self._bytes(token_id), lp, top, rank=1)
 
     def _top(self, token_id: int, lp: float) -> TopLogprob:
         return TopLogprob(token_id, self._text(token_id), self._bytes(token_id), lp)
@@ -186,6 +187,15 @@ class FakeEngine:
             seq.finished = True
             out = CompletionOutput(index, "", [], None, seq.text, len(seq.tokens), "error", None, "CUDA error")
             return RequestOutput(request_id, len(prompt), self.cached_tokens, out, True)
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None and not seq.tokens:  # with the first output, as the engine sends them
+            k = params.prompt_logprobs
+            prompt_logprobs = [None, *(self.logprob(t, p, k) for p, t in enumerate(prompt[1:], start=1))]
+        if params.max_tokens == 0:  # the prompt only: no token
+            seq.finished = True
+            logprobs = None if params.logprobs is None else []
+            out = CompletionOutput(index, "", [], logprobs, "", 0, "length", prompt_logprobs=prompt_logprobs)
+            return RequestOutput(request_id, len(prompt), self.cached_tokens, out, True)
         seq.tokens.append(token)
         text = self.tokenizer.decode(seq.tokens, skip_special_tokens=params.skip_special_tokens)
         finish, stop_reason = None, None
@@ -204,7 +214,9 @@ class FakeEngine:
         seq.text = text
         seq.finished = finish is not None
         logprobs = None if params.logprobs is None else [self.logprob(token, len(seq.tokens) - 1, params.logprobs)]
-        out = CompletionOutput(index, delta, [token], logprobs, text, len(seq.tokens), finish, stop_reason)
+        out = CompletionOutput(
+            index, delta, [token], logprobs, text, len(seq.tokens), finish, stop_reason, prompt_logprobs=prompt_logprobs
+        )
         return RequestOutput(request_id, len(prompt), self.cached_tokens, out, seq.finished)
 
 

@@ -159,3 +159,91 @@ def test_logprobs_shape(tokenizer):
         },
         None,
     ]
+
+
+def _prompt_entries(engine, ids: list[int], k: int) -> list:
+    """What the fake engine reports for the prompt: token 0 without a logprob, then its synthetic ones."""
+    return [None, *(engine.logprob(t, p, k) for p, t in enumerate(ids[1:], start=1))]
+
+
+def test_echo_with_logprobs_scores_the_prompt_then_the_output(tokenizer):
+    """OpenAI's legacy scoring (what lm-evaluation-harness sends for loglikelihood): the prompt's tokens come
+    first, the first with null logprob and alternatives, then the generated ones, offsets running on."""
+    engine, client = make_client(tokenizer)
+    ids = tokenizer.encode(PROMPT)
+    r = client.post("/v1/completions", json={"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1})
+    body = r.json()  # (OpenAI's schema types token_logprobs as numbers, though its API sends the first as null)
+    assert engine.calls[0][1].prompt_logprobs == 1
+    texts = [tokenizer.decode([t]) for t in ids]
+    paris = tokenizer.decode([7042])
+    expected_prompt = _prompt_entries(engine, ids, 1)
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [*texts, paris]
+    assert logprobs["token_logprobs"] == [None, *(lp.logprob for lp in expected_prompt[1:]), -0.125]
+    assert logprobs["top_logprobs"][0] is None
+    assert logprobs["top_logprobs"][1:] == [
+        *({lp.token: lp.logprob} for lp in expected_prompt[1:]),
+        {paris: -0.125},
+    ]
+    offsets = [sum(map(len, texts[:i])) for i in range(len(texts) + 1)]
+    assert logprobs["text_offset"] == offsets
+    assert body["choices"][0]["text"] == tokenizer.decode(ids) + paris
+
+
+def test_max_tokens_zero_with_echo_returns_the_prompt_only(tokenizer):
+    engine, client = make_client(tokenizer)
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "echo": True, "logprobs": 0, "max_tokens": 0})
+    body = r.json()
+    ids = tokenizer.encode(PROMPT)
+    choice = body["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (PROMPT, "length")
+    assert len(choice["logprobs"]["tokens"]) == len(ids) and choice["logprobs"]["token_logprobs"][0] is None
+    assert body["usage"]["completion_tokens"] == 0
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": -1})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens must be non-negative, got -1"
+
+
+def test_vllm_prompt_logprobs_field(tokenizer):
+    engine, client = make_client(tokenizer)
+    ids = tokenizer.encode(PROMPT)
+    r = client.post("/v1/completions", json={"prompt": ids, "prompt_logprobs": 2, "max_tokens": 1})
+    choice = r.json()["choices"][0]
+    assert choice["logprobs"] is None and choice["text"] == " Paris"
+    expected = [None] + [
+        {
+            str(t.token_id): {"logprob": t.logprob, "rank": rank, "decoded_token": t.token}
+            for rank, t in enumerate(lp.top, 1)
+        }
+        for lp in _prompt_entries(engine, ids, 2)[1:]
+    ]
+    assert choice["prompt_logprobs"] == expected
+    r = client.post("/v1/completions", json={"prompt": ids, "prompt_logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_streamed_echo_with_logprobs(tokenizer):
+    engine, client = make_client(tokenizer)
+    ids = tokenizer.encode(PROMPT)
+    body = {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 2, "stream": True}
+    chunks = sse_payloads(client.post("/v1/completions", json=body).text)[:-1]
+    first, second = chunks[0]["choices"][0], chunks[1]["choices"][0]
+    texts = [tokenizer.decode([t]) for t in ids]
+    assert first["text"] == tokenizer.decode(ids)
+    assert first["logprobs"]["tokens"] == texts and first["logprobs"]["token_logprobs"][0] is None
+    assert second["text"] == " Paris" and second["logprobs"]["text_offset"] == [sum(map(len, texts))]
+
+
+def test_chat_prompt_logprobs(tokenizer):
+    from .helpers import QUESTION, chat_prompt
+
+    engine, client = make_client(tokenizer)
+    body = {"messages": QUESTION, "prompt_logprobs": 0, "max_tokens": 1}
+    r = client.post("/v1/chat/completions", json=body)
+    ids = chat_prompt(tokenizer)
+    prompt = r.json()["prompt_logprobs"]
+    assert len(prompt) == len(ids) and prompt[0] is None
+    assert prompt[1] == {str(ids[1]): {"logprob": -0.25, "rank": 1, "decoded_token": tokenizer.decode([ids[1]])}}
+    chunks = sse_payloads(client.post("/v1/chat/completions", json={**body, "stream": True}).text)[:-1]
+    assert [c.get("prompt_logprobs") for c in chunks] == [None, None, prompt]
+    r = client.post("/v1/chat/completions", json={**body, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens must be at least 1, got 0"

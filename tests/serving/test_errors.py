@@ -144,11 +144,6 @@ def test_unsupported_requests(client, fields, message, param):
     [
         ({"suffix": "end"}, "suffix is not supported by this server.", "suffix"),
         ({"best_of": 3}, "best_of is not supported by this server (it must equal n).", "best_of"),
-        (
-            {"echo": True, "logprobs": 1},
-            "echo with logprobs is not supported: prompt logprobs are not computed.",
-            "echo",
-        ),
         ({"prompt": []}, "prompt must not be empty.", "prompt"),
         ({"prompt": ""}, "prompt must not be empty.", "prompt"),
         ({"prompt": [[1], []]}, "prompt[1] must not be empty.", "prompt"),

@@ -96,8 +96,10 @@ class KVCacheManager:
         """Blocks already holding a prefix of the request. The last token is always recomputed (its
         logits are needed), so at most (num_tokens - 1) // block_size blocks can hit. With recurrent state
         the hit ends at the deepest block that has a state snapshot; the request's snapshot points are
-        chosen here too."""
+        chosen here too. A request that wants prompt logprobs hits nothing: cached tokens have no logits."""
         if not self.enable_prefix_caching or (self.states is not None and self.snapshots is None):
+            return []
+        if request.params.prompt_logprobs is not None:
             return []
         bs = self.block_size
         limit = (request.num_tokens - 1) // bs

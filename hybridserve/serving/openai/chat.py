@@ -18,11 +18,12 @@ from starlette.responses import Response
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions.base import ServingExtension
 from hybridserve.serving.metrics import ServingMetrics
-from hybridserve.serving.openai.errors import json_response
+from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, json_response
 from hybridserve.serving.openai.generation import (
     GenerationRun,
     fit_to_context,
     logprobs_content,
+    prompt_logprobs_body,
     request_priority,
     stream_frame,
 )
@@ -57,7 +58,12 @@ class ChatService:
         max_param = req.max_tokens_param
         renames = {"max_tokens": max_param, "logprobs": "top_logprobs"}
         params = req.sampling_params(
-            req.num_logprobs(), req.requested_max_tokens, renames, self.vocab_size, self.engine.sampling_defaults
+            req.num_logprobs(),
+            req.requested_max_tokens,
+            renames,
+            self.vocab_size,
+            self.engine.sampling_defaults,
+            prompt_logprobs=req.prompt_logprobs,
         )
         if self.extension.keeps_special_tokens and req.skip_special_tokens is None:
             params = dataclasses.replace(params, skip_special_tokens=False)
@@ -88,9 +94,10 @@ class ChatService:
         parsers = [output_parser(self.parsers, prompt.text, tools) for _ in range(run.num_choices)]
         want_logprobs = params.logprobs is not None
         ids = prompt.ids if req.return_token_ids else None
+        want_prompt = req.prompt_logprobs is not None
         if req.stream:
-            return EventStreamResponse(_stream(run, head, parsers, req.include_usage, want_logprobs, ids))
-        return await cancel_on_disconnect(request, _complete(run, head, parsers, want_logprobs, ids))
+            return EventStreamResponse(_stream(run, head, parsers, req.include_usage, want_logprobs, ids, want_prompt))
+        return await cancel_on_disconnect(request, _complete(run, head, parsers, want_logprobs, ids, want_prompt))
 
 
 def _finish_reason(reason: str | None, calls: int) -> str | None:
@@ -103,8 +110,21 @@ def _tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     return {**body, "id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}
 
 
+def _prompt_logprobs(run: GenerationRun, index: int) -> dict:
+    """vLLM's top-level `prompt_logprobs` field, from choice `index`'s (every choice has the same)."""
+    prompt = run.prompt_logprobs[index]
+    if prompt is None:
+        raise APIError(500, "The engine sent no prompt logprobs.", type=SERVER_ERROR)
+    return {"prompt_logprobs": prompt_logprobs_body(prompt)}
+
+
 async def _complete(
-    run: GenerationRun, head: dict, parsers: list[StreamParser], want_logprobs: bool, prompt_ids: list[int] | None
+    run: GenerationRun,
+    head: dict,
+    parsers: list[StreamParser],
+    want_logprobs: bool,
+    prompt_ids: list[int] | None,
+    want_prompt_logprobs: bool,
 ) -> Response:
     """`prompt_ids` (return_token_ids): reported with each choice's output ids."""
     choices = []
@@ -133,6 +153,8 @@ async def _complete(
     body = {**head, "object": "chat.completion", "choices": choices, "usage": run.usage()}
     if prompt_ids is not None:
         body["prompt_token_ids"] = prompt_ids
+    if want_prompt_logprobs:
+        body.update(_prompt_logprobs(run, 0))
     return json_response(body)
 
 
@@ -143,17 +165,24 @@ async def _stream(
     include_usage: bool,
     want_logprobs: bool,
     prompt_ids: list[int] | None,
+    want_prompt_logprobs: bool,
 ) -> AsyncIterator[bytes]:
-    """`prompt_ids` (return_token_ids): sent in each choice's first chunk, its output ids in its last."""
+    """`prompt_ids` (return_token_ids): sent in each choice's first chunk, its output ids in its last; vLLM's
+    `prompt_logprobs` (top-level) in each choice's last chunk."""
     if include_usage:
         head = {**head, "usage": None}
     calls = [0] * run.num_choices
 
     def chunk(
-        index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None, **extra
+        index: int,
+        delta: dict,
+        logprobs: dict | None = None,
+        finish_reason: str | None = None,
+        top: dict | None = None,
+        **extra,
     ) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return sse_event({**head, "choices": [{**choice, **extra}]})
+        return sse_event({**head, "choices": [{**choice, **extra}], **(top or {})})
 
     def piece_chunks(index: int, pieces: list[Piece], logprobs: dict | None) -> Iterator[bytes]:
         for piece in pieces:
@@ -185,7 +214,8 @@ async def _stream(
             if finished:
                 reason = _finish_reason(out.finish_reason, calls[index])
                 ids = {} if prompt_ids is None else {"token_ids": run.token_ids[index]}
-                yield chunk(index, {}, None, reason, stop_reason=out.stop_reason, **ids)
+                top = _prompt_logprobs(run, index) if want_prompt_logprobs else None
+                yield chunk(index, {}, None, reason, top, stop_reason=out.stop_reason, **ids)
 
     async for event in stream_frame(choices(), run, head if include_usage else None):
         yield event

@@ -5,19 +5,28 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
+from transformers import PreTrainedTokenizerBase
 
 from hybridserve.engine.outputs import Logprob
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.metrics import ServingMetrics
-from hybridserve.serving.openai.errors import APIError, json_response
-from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, request_priority, stream_frame
+from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, json_response
+from hybridserve.serving.openai.generation import (
+    GenerationRun,
+    fit_to_context,
+    prompt_logprobs_body,
+    request_priority,
+    stream_frame,
+)
 from hybridserve.serving.openai.models import check_model
 from hybridserve.serving.openai.prompt import off_loop
 from hybridserve.serving.openai.protocol import CompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
+from hybridserve.tokenizer.detokenizer import token_text
 
 
 class CompletionService:
@@ -64,7 +73,15 @@ class CompletionService:
         check_model(self.engine, req.model)
         req.check_stream_options()
         req.check_supported()
-        base = req.sampling_params(req.logprobs, req.max_tokens, {}, self.vocab_size, self.engine.sampling_defaults)
+        base = req.sampling_params(
+            req.logprobs,
+            req.max_tokens,
+            {},
+            self.vocab_size,
+            self.engine.sampling_defaults,
+            prompt_logprobs=req.num_prompt_logprobs(),
+            prompt_only=True,
+        )
         prompts = await off_loop(_size(req.prompt), self.tokenize, req.prompt)
         max_len = self.engine.max_model_len
         params = [fit_to_context(base, len(p), max_len, what="prompt", max_tokens_param="max_tokens") for p in prompts]
@@ -77,10 +94,12 @@ class CompletionService:
             "created": int(time.time()),
             "model": self.engine.model_name,
         }
-        want_logprobs = base.logprobs is not None
+        shape = ChoiceShape(
+            self.tokenizer, prompts, run.n, echo, base.logprobs is not None, req.prompt_logprobs is not None
+        )
         if req.stream:
-            return EventStreamResponse(_stream(run, head, req.include_usage, want_logprobs, echo))
-        return await cancel_on_disconnect(request, _complete(run, head, want_logprobs, echo))
+            return EventStreamResponse(_stream(run, head, req.include_usage, shape))
+        return await cancel_on_disconnect(request, _complete(run, head, shape))
 
 
 def _size(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
@@ -90,18 +109,23 @@ def _size(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
     return sum(len(p) if isinstance(p, str | list) else 1 for p in prompt)
 
 
-def completion_logprobs(logprobs: list[Logprob], offset: int) -> tuple[dict, int]:
-    """The legacy logprobs object for `logprobs`, whose first token starts at text offset `offset`."""
+def completion_logprobs(entries: list[tuple[str, Logprob | None]], offset: int) -> tuple[dict, int]:
+    """The legacy logprobs object for tokens given as (text, logprob), the first starting at text offset `offset`;
+    a token without a logprob (the prompt's first) has null for its logprob and its alternatives."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for lp in logprobs:
+    for text, lp in entries:
+        tokens.append(text)
+        text_offset.append(offset)
+        offset += len(text)
+        if lp is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
         logprob = max(lp.logprob, -9999.0)
         top = {t.token: max(t.logprob, -9999.0) for t in lp.top}
         top.setdefault(lp.token, logprob)
-        tokens.append(lp.token)
         token_logprobs.append(logprob)
         top_logprobs.append(top)
-        text_offset.append(offset)
-        offset += len(lp.token)
     body = {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -111,27 +135,63 @@ def completion_logprobs(logprobs: list[Logprob], offset: int) -> tuple[dict, int
     return body, offset
 
 
-def _echo_text(echo: list[str] | None, index: int, n: int) -> str:
-    return echo[index // n] if echo is not None else ""
+@dataclass(frozen=True)
+class ChoiceShape:
+    """What a choice carries besides its text: the echoed prompt (`echo`: per prompt) first, logprobs (the
+    prompt's too when echoed), vLLM's `prompt_logprobs`."""
+
+    tokenizer: PreTrainedTokenizerBase
+    prompts: list[list[int]]
+    n: int
+    echo: list[str] | None
+    logprobs: bool
+    prompt_logprobs: bool
+
+    def echo_text(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo is not None else ""
+
+    def prompt_entries(
+        self, index: int, prompt_logprobs: list[Logprob | None] | None
+    ) -> list[tuple[str, Logprob | None]]:
+        """The echoed prompt's tokens with their logprobs, for the legacy object (none without echo)."""
+        if self.echo is None or not self.logprobs:
+            return []
+        if prompt_logprobs is None:
+            raise APIError(500, "The engine sent no prompt logprobs for an echo with logprobs.", type=SERVER_ERROR)
+        first = token_text(self.tokenizer, self.prompts[index // self.n][0])
+        return [(first, None), *((lp.token, lp) for lp in prompt_logprobs[1:] if lp is not None)]
+
+    def extras(self, prompt_logprobs: list[Logprob | None] | None) -> dict:
+        if not self.prompt_logprobs:
+            return {}
+        if prompt_logprobs is None:
+            raise APIError(500, "The engine sent no prompt logprobs.", type=SERVER_ERROR)
+        return {"prompt_logprobs": prompt_logprobs_body(prompt_logprobs)}
 
 
-async def _complete(run: GenerationRun, head: dict, want_logprobs: bool, echo: list[str] | None) -> Response:
-    choices = [
-        {
+def _entries(logprobs: list[Logprob]) -> list[tuple[str, Logprob | None]]:
+    return [(lp.token, lp) for lp in logprobs]
+
+
+async def _complete(run: GenerationRun, head: dict, shape: ChoiceShape) -> Response:
+    choices = []
+    for index, (out, logprobs) in enumerate(await run.collect(shape.logprobs)):
+        prompt = run.prompt_logprobs[index]
+        entries = shape.prompt_entries(index, prompt) + _entries(logprobs)
+        choice = {
             "index": index,
-            "text": _echo_text(echo, index, run.n) + out.text,
-            "logprobs": completion_logprobs(logprobs, 0)[0] if want_logprobs else None,
+            "text": shape.echo_text(index) + out.text,
+            "logprobs": completion_logprobs(entries, 0)[0] if shape.logprobs else None,
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,
         }
-        for index, (out, logprobs) in enumerate(await run.collect(want_logprobs))
-    ]
+        choices.append({**choice, **shape.extras(prompt)})
     return json_response({**head, "choices": choices, "usage": run.usage()})
 
 
-async def _stream(
-    run: GenerationRun, head: dict, include_usage: bool, want_logprobs: bool, echo: list[str] | None
-) -> AsyncIterator[bytes]:
+async def _stream(run: GenerationRun, head: dict, include_usage: bool, shape: ChoiceShape) -> AsyncIterator[bytes]:
+    """An echoed prompt (with its logprobs, and vLLM's prompt_logprobs) goes out when its choice's first update
+    arrives, which carries them."""
     if include_usage:
         head = {**head, "usage": None}
 
@@ -140,15 +200,20 @@ async def _stream(
         return sse_event({**head, "choices": [{**choice, **extra}]})
 
     async def choices() -> AsyncIterator[bytes]:
-        if echo is not None:
-            for index in range(run.num_choices):
-                yield chunk(index, _echo_text(echo, index, run.n))
         offsets = [0] * run.num_choices
+        started = [False] * run.num_choices
         async for index, out, finished in run.outputs():
+            if not started[index]:
+                started[index] = True
+                entries = shape.prompt_entries(index, out.prompt_logprobs)
+                extras = shape.extras(out.prompt_logprobs)
+                if shape.echo is not None or extras:
+                    logprobs, offsets[index] = completion_logprobs(entries, 0) if entries else (None, 0)
+                    yield chunk(index, shape.echo_text(index), logprobs, **extras)
             if out.delta_text or out.delta_logprobs:
                 logprobs = None
-                if want_logprobs and out.delta_logprobs:
-                    logprobs, offsets[index] = completion_logprobs(out.delta_logprobs, offsets[index])
+                if shape.logprobs and out.delta_logprobs:
+                    logprobs, offsets[index] = completion_logprobs(_entries(out.delta_logprobs), offsets[index])
                 yield chunk(index, out.delta_text, logprobs)
             if finished:
                 yield chunk(index, "", None, out.finish_reason, stop_reason=out.stop_reason)

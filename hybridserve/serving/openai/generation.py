@@ -84,6 +84,23 @@ def logprobs_content(logprobs: list[Logprob]) -> list[dict]:
     ]
 
 
+def prompt_logprobs_body(prompt_logprobs: list[Logprob | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (the first: null) the token and its top alternatives by id,
+    each with its logprob, rank and text."""
+    body: list[dict | None] = []
+    for lp in prompt_logprobs:
+        if lp is None:
+            body.append(None)
+            continue
+        entry = {str(lp.token_id): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.token}}
+        for rank, top in enumerate(lp.top, start=1):
+            entry.setdefault(
+                str(top.token_id), {"logprob": max(top.logprob, -9999.0), "rank": rank, "decoded_token": top.token}
+            )
+        body.append(entry)
+    return body
+
+
 class RunAccounting:
     """The metrics and usage counts of one API request's choices, fed each output as it arrives.
 
@@ -171,6 +188,8 @@ class GenerationRun:
         self.num_choices = len(prompts) * self.n
         self.accounting = RunAccounting(metrics, arrival, list(map(len, prompts)), self.n)
         self.token_ids: list[list[int]] = [[] for _ in range(self.num_choices)]  # each choice's output so far
+        # each choice's prompt logprobs, once they arrived (params.prompt_logprobs)
+        self.prompt_logprobs: list[list[Logprob | None] | None] = [None] * self.num_choices
 
     def usage(self) -> dict:
         return self.accounting.usage()
@@ -205,6 +224,8 @@ class GenerationRun:
                 reason = out.finish_reason if ro.finished else None
                 acct.observe(k, index, len(out.delta_token_ids), out.num_output_tokens, ro.num_cached_tokens, reason)
                 self.token_ids[index].extend(out.delta_token_ids)
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs[index] = out.prompt_logprobs
                 if out.finish_reason in ("error", "abort"):
                     raise engine_failure(out.finish_reason, out.error, out.unavailable)
                 yield index, out, ro.finished

@@ -11,9 +11,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from hybridserve.sampling_params import InvalidParameter, SamplingDefaults, SamplingParams
+from hybridserve.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_TEMPERATURE,
+    InvalidParameter,
+    SamplingDefaults,
+    SamplingParams,
+)
 from hybridserve.serving.openai.errors import APIError, invalid_parameter
 
 
@@ -21,6 +28,15 @@ class RequestModel(BaseModel):
     """A request body's model (or a part of one): strict JSON types, finite numbers."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+def ranged(default: Any = None, **bounds: float) -> Any:
+    """A field whose published schema states the range SamplingParams checks (`minimum`, `exclusiveMinimum`,
+    `maximum`); the check itself stays SamplingParams', whose error names the field and the value."""
+    return Field(default, json_schema_extra=bounds)
+
+
+LOGPROBS_RANGE = {"minimum": 0, "maximum": MAX_LOGPROBS}
 
 
 class StreamOptions(RequestModel):
@@ -31,26 +47,27 @@ class SamplingRequest(RequestModel):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = 1
+    max_tokens: int | None = ranged(minimum=1)
+    temperature: float | None = ranged(minimum=0, maximum=MAX_TEMPERATURE)
+    top_p: float | None = ranged(exclusiveMinimum=0, maximum=1)
+    n: int | None = ranged(1, minimum=1, maximum=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    seed: int | None = ranged(minimum=-(2**63), maximum=2**63 - 1)
+    presence_penalty: float | None = ranged(minimum=-2, maximum=2)
+    frequency_penalty: float | None = ranged(minimum=-2, maximum=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: int | None = ranged(minimum=-1)
+    min_p: float | None = ranged(minimum=0, maximum=1)
+    repetition_penalty: float | None = ranged(exclusiveMinimum=0)
+    min_tokens: int | None = ranged(minimum=0)
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = ranged(**LOGPROBS_RANGE)  # vLLM's: each prompt token's logprob and top k
 
     @property
     def include_usage(self) -> bool:
@@ -67,10 +84,14 @@ class SamplingRequest(RequestModel):
         renames: dict[str, str],
         vocab_size: int,
         defaults: SamplingDefaults,
+        prompt_logprobs: int | None = None,
+        prompt_only: bool = False,
     ) -> SamplingParams:
         """Validated SamplingParams, `defaults` where the request leaves a field out; an out-of-range value is a
-        400 naming the request's field."""
+        400 naming the request's field. `prompt_only`: max_tokens may be 0 (the prompt's logprobs, no output)."""
         try:
+            if max_tokens is not None and not prompt_only and max_tokens < 1:
+                raise InvalidParameter("max_tokens", f"max_tokens must be at least 1, got {max_tokens}")
             return SamplingParams(
                 n=_default(self.n, 1),
                 temperature=_default(self.temperature, defaults.temperature),
@@ -83,6 +104,7 @@ class SamplingRequest(RequestModel):
                 repetition_penalty=_default(self.repetition_penalty, defaults.repetition_penalty),
                 logit_bias=_logit_bias(self.logit_bias, vocab_size),
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 max_tokens=max_tokens,
                 min_tokens=_default(self.min_tokens, 0),
                 stop=_stop(self.stop),
@@ -110,9 +132,9 @@ class ChatMessage(RequestModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = ranged(minimum=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = ranged(**LOGPROBS_RANGE)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -154,8 +176,9 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = ranged(minimum=0)  # 0: the prompt only (with echo and logprobs: scoring it)
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = ranged(**LOGPROBS_RANGE)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -164,8 +187,12 @@ class CompletionRequest(SamplingRequest):
             raise APIError(400, "suffix is not supported by this server.", param="suffix")
         if self.best_of is not None and self.best_of != _default(self.n, 1):
             raise APIError(400, "best_of is not supported by this server (it must equal n).", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported: prompt logprobs are not computed.", param="echo")
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token to compute: echo with logprobs (OpenAI's legacy way to score a prompt)
+        reports the prompt's tokens as it reports the output's; vLLM's prompt_logprobs adds its own field."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(wanted) if wanted else None
 
 
 def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:

@@ -16,8 +16,9 @@ from hybridserve.serving.openai.batches.service import BatchesService
 from hybridserve.serving.openai.batches.store import BatchStore
 from hybridserve.serving.openai.body import parse_body
 from hybridserve.serving.openai.errors import json_response
-from hybridserve.serving.openai.files.service import FilesService
+from hybridserve.serving.openai.files.service import PURPOSES, FilesService
 from hybridserve.serving.openai.files.store import FileStore
+from hybridserve.serving.openai.openapi import errors, json_body, multipart_body
 from hybridserve.serving.storage import Database
 
 
@@ -58,41 +59,46 @@ def add_files_and_batches(
     files = FilesService(file_store, settings.max_upload_bytes, batch_store.reading)
     batches = BatchesService(batch_store, files, runner, endpoints, settings)
 
-    @app.post("/v1/files")
+    upload = multipart_body(
+        {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": list(PURPOSES)}},
+        ["file", "purpose"],
+    )
+
+    @app.post("/v1/files", openapi_extra=upload, responses=errors(400, 413))
     async def upload_file(request: Request) -> Response:
         return json_response(await files.upload(request))
 
-    @app.get("/v1/files")
+    @app.get("/v1/files", responses=errors(400, 404))
     async def list_files(
         purpose: str | None = None, limit: int = 10_000, order: str = "desc", after: str | None = None
     ):
         return json_response(files.list(purpose, limit, order, after))
 
-    @app.get("/v1/files/{file_id}")
+    @app.get("/v1/files/{file_id}", responses=errors(404))
     async def retrieve_file(file_id: str) -> Response:
         return json_response(files.retrieve(file_id))
 
-    @app.get("/v1/files/{file_id}/content")
+    @app.get("/v1/files/{file_id}/content", responses=errors(404))
     async def file_content(file_id: str) -> Response:
         return files.content(file_id)
 
-    @app.delete("/v1/files/{file_id}")
+    @app.delete("/v1/files/{file_id}", responses=errors(404, 409))
     async def delete_file(file_id: str) -> Response:
         return json_response(files.delete(file_id))
 
-    @app.post("/v1/batches")
+    @app.post("/v1/batches", openapi_extra=json_body(CreateBatchRequest), responses=errors(400, 404, 413, 429))
     async def create_batch(request: Request) -> Response:
         return json_response(batches.create(await parse_body(request, CreateBatchRequest, max_body_bytes)))
 
-    @app.get("/v1/batches")
+    @app.get("/v1/batches", responses=errors(400, 404))
     async def list_batches(limit: int = 20, after: str | None = None) -> Response:
         return json_response(batches.list(limit, after))
 
-    @app.get("/v1/batches/{batch_id}")
+    @app.get("/v1/batches/{batch_id}", responses=errors(404))
     async def retrieve_batch(batch_id: str) -> Response:
         return json_response(batches.retrieve(batch_id))
 
-    @app.post("/v1/batches/{batch_id}/cancel")
+    @app.post("/v1/batches/{batch_id}/cancel", responses=errors(404, 409))
     async def cancel_batch(batch_id: str) -> Response:
         return json_response(batches.cancel(batch_id))
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from python_multipart import MultipartParser
+from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import parse_options_header
 
 from hybridserve.serving.openai.errors import APIError
@@ -47,11 +48,14 @@ async def receive_upload(
     with destination.open("wb") as out:
         parser = _FormParser(upload, out, max_bytes)
         multipart = MultipartParser(boundary, parser.callbacks())
-        async for chunk in body:
-            multipart.write(chunk)
-            if parser.error is not None:
-                raise parser.error
-        multipart.finalize()
+        try:
+            async for chunk in body:
+                multipart.write(chunk)
+                if parser.error is not None:
+                    raise parser.error
+            multipart.finalize()
+        except MultipartParseError as exc:
+            raise APIError(400, f"The multipart body is malformed: {exc}.") from None
         if parser.error is not None:
             raise parser.error
         if not parser.ended:

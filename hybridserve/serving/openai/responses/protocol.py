@@ -7,9 +7,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
-from hybridserve.sampling_params import SamplingParams
+from hybridserve.sampling_params import MAX_TEMPERATURE, SamplingParams
 from hybridserve.serving.openai.errors import APIError
-from hybridserve.serving.openai.protocol import RequestModel
+from hybridserve.serving.openai.protocol import LOGPROBS_RANGE, RequestModel, ranged
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
@@ -59,10 +59,10 @@ class ResponsesRequest(RequestModel):
     input: str | list[dict[str, Any]]
     model: str | None = None
     instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_logprobs: int | None = None
+    max_output_tokens: int | None = ranged(minimum=1)
+    temperature: float | None = ranged(minimum=0, maximum=MAX_TEMPERATURE)
+    top_p: float | None = ranged(exclusiveMinimum=0, maximum=1)
+    top_logprobs: int | None = ranged(**LOGPROBS_RANGE)
     metadata: dict[str, str] | None = None
     store: bool | None = True
     previous_response_id: str | None = None
