@@ -23,9 +23,7 @@ import json
 import math
 import mmap
 import multiprocessing as mp
-import shlex
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -34,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.report import say, write_csv
-from benchmarks.serving_compare import MODEL, REPO, ServerFailed, port_open, stop_server, wait_healthy, warm_up
+from benchmarks.serving_compare import MODEL, REPO, ServerFailed, hybridserve_with
 
 CONFIGS = {
     "aggregated (2 workers)": ["--num-workers", "2", "--routing", "kv_aware"],
@@ -135,31 +133,11 @@ def _transfer_counters(url: str) -> dict[str, float]:
 
 
 def bench_load(config: str, args: argparse.Namespace, log: Path) -> LoadRow:
-    if port_open(args.port):
-        raise ServerFailed(f"port {args.port} is already in use")
-    command = [
-        str(REPO / ".venv" / "bin" / "python"),
-        "-m",
-        "hybridserve.serving.cli",
-        "serve",
-        "--port",
-        str(args.port),
-        *CONFIGS[config],
-        *shlex.split(args.server_args),
-    ]
-    say(f"{config}: starting `{shlex.join(command)}`, log {log}")
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        wait_healthy(config, proc, url, log, args.startup_timeout)
-        warm_up(config, url, log)
+    with hybridserve_with(config, CONFIGS[config], args, log) as url:
         before = _transfer_counters(url)
         say(f"{config}: mixed load for {args.duration:.0f} s")
         gaps, short_ttft, long_ttft, tokens, wall = asyncio.run(_workload(url, args))
         after = _transfer_counters(url)
-    finally:
-        stop_server(config, proc)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     reads = int(delta.get("pulls", 0))
 

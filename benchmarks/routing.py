@@ -20,9 +20,7 @@ import asyncio
 import json
 import random
 import re
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -31,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.report import say, write_csv
-from benchmarks.serving_compare import REPO, ServerFailed, port_open, stop_server, wait_healthy, warm_up
+from benchmarks.serving_compare import REPO, hybridserve_with
 
 CONFIGS = {  # name: (local workers, routing)
     "kv_aware": (2, "kv_aware"),
@@ -172,33 +170,10 @@ def _imbalance(values: list[float]) -> float:
 
 def bench(config: str, args: argparse.Namespace, log: Path) -> Row:
     workers, routing = CONFIGS[config]
-    if port_open(args.port):
-        raise ServerFailed(f"port {args.port} is already in use")
-    command = [
-        str(REPO / ".venv" / "bin" / "python"),
-        "-m",
-        "hybridserve.serving.cli",
-        "serve",
-        "--port",
-        str(args.port),
-        "--num-workers",
-        str(workers),
-        "--routing",
-        routing,
-        *shlex.split(args.server_args),
-    ]
-    say(f"{config}: starting `{shlex.join(command)}`, log {log}")
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        wait_healthy(config, proc, url, log, args.startup_timeout)
-        warm_up(config, url, log)
+    with hybridserve_with(config, ["--num-workers", str(workers), "--routing", routing], args, log) as url:
         before = _per_worker(url)
         ttfts, tokens, wall = asyncio.run(_workload(url, args))
         after = _per_worker(url)
-    finally:
-        stop_server(config, proc)
     delta = {w: {k: v - before.get(w, {}).get(k, 0.0) for k, v in m.items()} for w, m in after.items() if w}
     queries = sum(m.get("prefix_cache_queries_total", 0.0) for m in delta.values())
     hits = sum(m.get("prefix_cache_hits_total", 0.0) for m in delta.values())

@@ -259,10 +259,36 @@ def warn_if_busy(name: str) -> None:
 
 @contextmanager
 def running_server(name: str, args: argparse.Namespace, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    if port_open(args.port):
-        raise ServerFailed(f"port {args.port} is already in use; stop that server or pick another with --port")
     warn_if_busy(name)
     command, env = server_command(name, args)
+    with started(name, command, env, args, log) as proc:
+        yield proc
+
+
+@contextmanager
+def hybridserve_with(name: str, flags: list[str], args: argparse.Namespace, log: Path) -> Iterator[str]:
+    """`hybridserve serve` with these flags and `args.server_args` on `args.port`, healthy and warmed up: its URL."""
+    command = [
+        str(REPO / ".venv" / "bin" / "python"),
+        "-m",
+        "hybridserve.serving.cli",
+        "serve",
+        "--port",
+        str(args.port),
+        *flags,
+        *shlex.split(args.server_args),
+    ]
+    with started(name, command, None, args, log):
+        yield f"http://127.0.0.1:{args.port}"
+
+
+@contextmanager
+def started(
+    name: str, command: list[str], env: dict[str, str] | None, args: argparse.Namespace, log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Runs `command` (a server on `args.port`) until the block ends, once it is healthy and warmed up."""
+    if port_open(args.port):
+        raise ServerFailed(f"port {args.port} is already in use; stop that server or pick another with --port")
     say(f"{name}: starting `{shlex.join(command)}` on port {args.port}, log {log}")
     with log.open("wb") as sink:
         proc = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
