@@ -143,6 +143,8 @@ class EngineCore:
                 continue  # it keeps its blocks until NIXL lets its read go
             held = req.status is RequestStatus.HELD  # its client moved on to the decode worker: nobody to tell
             self.scheduler.finish(req, FinishReason.ABORT)
+            if held and self.connector is not None:
+                self.connector.leases.release(rid)
             if not held:
                 self._pending.append(req.output([]))
 

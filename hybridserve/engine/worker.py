@@ -184,7 +184,9 @@ class EngineWorker:
         if isinstance(msg, AddRequest):
             self._add(route, session, msg)
         elif isinstance(msg, AbortRequests):
-            self.core.abort([rid for rid in msg.request_ids if self.owner.get(rid) == route])
+            # A held request (prefilled for a decode worker) is no session's any more: its frontend may drop it.
+            held = self.core.scheduler.held
+            self.core.abort([rid for rid in msg.request_ids if self.owner.get(rid) == route or rid in held])
         elif isinstance(msg, Ping):
             self._send(route, Pong(self.core.stats()))
         elif isinstance(msg, GetCachedSet):

@@ -341,7 +341,10 @@ class Router:
                     self.disagg.pending.pop(out.request_id, None)
             elif out.kv_transfer is not None:
                 link.release(out.request_id)
-                self._hand_off(link, out)
+                if self.disagg is not None and out.request_id in self.disagg.pending:
+                    self._hand_off(link, out)
+                else:  # aborted while its prefill finished: the prefill worker lets go of its copy now
+                    link.send(AbortRequests([out.request_id]))
             else:
                 link.grow(out.request_id, len(out.new_token_ids))
 
@@ -353,6 +356,7 @@ class Router:
             target, messages = self.disagg.hand_off(prefill, out, self._pick)
         except LookupError as exc:
             self._owner.pop(rid, None)
+            prefill.send(AbortRequests([rid]))  # nobody will read what it holds
             error = EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, error=str(exc), unavailable=True)
             self._queue.put_nowait(EngineCoreOutputs([error]))
             return

@@ -224,3 +224,22 @@ def test_incompatible_peer_fails_only_its_requests(kimi_linear_dir: Path) -> Non
     assert decode.connector.counters.pulls_done == 1
     for core in (good, bad, decode):
         core.check_integrity()
+
+
+def test_a_held_request_aborted_by_its_frontend_is_let_go_at_once(kimi_linear_dir: Path) -> None:
+    """The client left while its prefill finished (or no decode worker was up): the frontend aborts the held copy
+    on the prefill worker, which frees it without waiting for the lease and tells nobody."""
+    config = EngineConfig(model=str(kimi_linear_dir), kv_cache_memory_bytes=16 * 1024**2, num_threads=1, role="prefill")
+    core = EngineCore(config, kimi_linear_dir)
+    assert core.connector is not None
+    free = core.kv.pool.num_free
+    core.add_request(EngineCoreRequest("gone", list(range(10, 60)), GREEDY, [], 0.0, kv_transfer=RemoteDecode()))
+    deadline = time.monotonic() + TIMEOUT_S
+    while not core.scheduler.held and time.monotonic() < deadline:
+        core.step()
+    assert list(core.scheduler.held) == ["gone"] and len(core.connector.leases) == 1
+    core.abort(["gone"])
+    assert core.step().outputs == []
+    assert not core.scheduler.held and len(core.connector.leases) == 0
+    assert core.kv.pool.num_free == free  # every block back (the prompt's stay cached, evictable)
+    core.check_integrity()
