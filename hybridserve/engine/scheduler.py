@@ -158,10 +158,7 @@ class Scheduler:
         self.kv.free(req)
         req.pull_from = None
         req.move_to(RequestStatus.WAITING)
-        i = 0
-        while i < len(self.waiting) and self.waiting[i].priority < req.priority:
-            i += 1
-        self.waiting.insert(i, req)
+        self._requeue_first(req)
 
     def release_held(self, request_id: str) -> bool:
         """The decode worker read it (or gave up, or its lease ran out): its blocks and slot go back."""
@@ -272,11 +269,15 @@ class Scheduler:
         self._blocks_sent.pop(req.request_id, None)  # its blocks are gone: it resumes with a new table
         req.move_to(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
+        self._requeue_first(req)
+        self.num_preemptions += 1
+
+    def _requeue_first(self, req: Request) -> None:
+        """Back into the waiting queue at the head of its priority: it has waited already."""
         i = 0
         while i < len(self.waiting) and self.waiting[i].priority < req.priority:
             i += 1
         self.waiting.insert(i, req)
-        self.num_preemptions += 1
 
     def finish(self, req: Request, reason: FinishReason, stop_reason: int | None = None) -> None:
         """End a request in any state (abort, error) and give its blocks back."""

@@ -58,6 +58,14 @@ def _link(engine: AsyncLLM, role: str) -> WorkerLink:
     return next(w for w in engine.client.links if w.role == role)
 
 
+def _signal(engine: AsyncLLM, role: str, sig: signal.Signals) -> WorkerLink:
+    """Sends `sig` to the local worker of this role; its link."""
+    link = _link(engine, role)
+    assert link.process is not None and link.process.pid
+    os.kill(link.process.pid, sig)
+    return link
+
+
 async def _stat(engine: AsyncLLM, role: str, field: str) -> int:
     reports = await engine.client.check_integrity()
     report = reports.get(_link(engine, role).name)
@@ -113,9 +121,7 @@ def test_prefill_worker_killed_before_the_read(kimi_linear_dir: Path, policy: st
         prompt = _prompt(engine)
         reference = await _collect(engine, prompt, GREEDY, "reference")
         blocker, victim = await _victim_waits(engine, prompt)
-        prefill = _link(engine, "prefill")
-        assert prefill.process is not None and prefill.process.pid
-        os.kill(prefill.process.pid, signal.SIGKILL)
+        prefill = _signal(engine, "prefill", signal.SIGKILL)
         await _until("the prefill worker to be marked down", _coro(lambda: prefill.state is not WorkerState.UP))
         await _unblock(blocker, engine)
         ids, end = await victim
@@ -136,9 +142,8 @@ def test_stopped_prefill_worker_is_bounded_by_the_deadline(kimi_linear_dir: Path
     async def scenario(engine: AsyncLLM) -> None:
         prompt = _prompt(engine)
         blocker, victim = await _victim_waits(engine, prompt)
-        prefill = _link(engine, "prefill")
+        prefill = _signal(engine, "prefill", signal.SIGSTOP)
         assert prefill.process is not None and prefill.process.pid
-        os.kill(prefill.process.pid, signal.SIGSTOP)
         try:
             started = time.monotonic()
             await _unblock(blocker, engine)
@@ -166,9 +171,7 @@ def test_dead_decode_worker_strands_nothing_past_the_lease(kimi_linear_dir: Path
     async def scenario(engine: AsyncLLM) -> None:
         prompt = _prompt(engine)
         blocker, victim = await _victim_waits(engine, prompt)
-        decode = _link(engine, "decode")
-        assert decode.process is not None and decode.process.pid
-        os.kill(decode.process.pid, signal.SIGKILL)
+        decode = _signal(engine, "decode", signal.SIGKILL)
         for task, rid in ((blocker, "blocker"), (victim, "victim")):
             ids, end = await task
             assert "went down" in end, (rid, end)  # failed as unavailable, with the worker named

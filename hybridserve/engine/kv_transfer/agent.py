@@ -52,14 +52,13 @@ class TransferAgent:
             handle = agent.initialize_xfer(
                 "READ", agent.get_xfer_descs(local, self.memory), agent.get_xfer_descs(remote, self.memory), peer
             )
-            read = Read(peer, handle)
-            if agent.transfer(handle) == "ERR":
-                self.cancel(read)
-                raise TransferError(f"NIXL could not post the read from {peer}")
-        except TransferError:
-            raise
+            posted = agent.transfer(handle)
         except Exception as exc:  # nixlRemoteDisconnectError and kin: the peer is gone
             raise TransferError(f"reading from {peer} failed: {type(exc).__name__}: {exc}") from exc
+        read = Read(peer, handle)
+        if posted == "ERR":
+            self.cancel(read)
+            raise TransferError(f"NIXL could not post the read from {peer}")
         return read
 
     def done(self, read: Read) -> bool:

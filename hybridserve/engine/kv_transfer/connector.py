@@ -282,8 +282,12 @@ class KVConnector:
     # ---- both
 
     def poll(self) -> list[EngineCoreOutput]:
+        """Once per engine step: a prefill worker hears its readers and ends leases; a decode worker watches its
+        reads and keeps the leases of the readers still queued."""
         now = time.monotonic()
-        self._poll_notifications(now)
+        if self.settings.role == "prefill":
+            self._poll_notifications(now)
+            return []
         outputs = self._poll_reads(now)
         self._keep_waiting_leases(now)
         return outputs

@@ -19,8 +19,6 @@ import torch
 from hybridserve.engine.kv_transfer.messages import TensorLayout, TransferEndpoint
 from hybridserve.models.cache_specs import LayerSpec, LinearStateSpec, MLASpec
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16)}
-
 
 def tensor_layouts(specs: Sequence[LayerSpec], caches: Sequence[object]) -> list[TensorLayout]:
     """The runner's cache tensors in layer order (`caches[i]` is layer i's tensor, or its (conv, state) pair)."""
@@ -102,7 +100,7 @@ def read_descriptors(
         runs = block_runs if part == "kv" else slot_runs
         if runs is None:
             raise ValueError("the peers keep recurrent state but the request names no state slot")
-        row = math.prod(ours.shape[ours.dim + 1 :]) * _DTYPES[ours.dtype].itemsize
+        row = math.prod(ours.shape[ours.dim + 1 :]) * getattr(torch, ours.dtype).itemsize
         planes = math.prod(ours.shape[: ours.dim])
         src, dst, n = runs
         plane = np.arange(planes, dtype=np.int64)[:, None]
