@@ -101,7 +101,7 @@ def build_app(
             raise APIError(
                 503, f"The engine is not healthy: {exc}", type=SERVER_ERROR, code="engine_unhealthy"
             ) from exc
-        workers = [{"name": w.name, "state": w.state, "error": w.error} for w in engine.workers()]
+        workers = [{"name": w.name, "role": w.role, "state": w.state, "error": w.error} for w in engine.workers()]
         return json_response({"status": "ok", "workers": workers})
 
     @app.get("/version")

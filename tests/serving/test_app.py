@@ -27,7 +27,7 @@ def test_models(client):
 
 
 def test_health_and_version(client, engine):
-    workers = [{"name": "fake", "state": "up", "error": None}]
+    workers = [{"name": "fake", "role": "both", "state": "up", "error": None}]
     assert (client.get("/health").status_code, client.get("/health").json()) == (
         200,
         {"status": "ok", "workers": workers},
