@@ -1,8 +1,8 @@
-"""Disaggregated prefill and decode against aggregated serving, with real workers on loopback and NIXL between
-them: identical greedy tokens and logprobs (and seeded samples) for the default model and for the hybrid tiny
-models, whose recurrent state is what the transfer must carry exactly. Covers a prompt longer than the step
-budget, a prompt that hits the prefill worker's prefix cache, n > 1, a grammar-constrained request, and every
-cache's integrity afterwards."""
+"""Disaggregated prefill and decode against the same engine aggregated (in this process), with real workers on
+loopback and NIXL between them: identical greedy tokens and logprobs (and seeded samples) for the default model
+and for the hybrid tiny models, whose recurrent state is what the transfer must carry exactly. Covers a prompt
+longer than the step budget, a prompt that hits the prefill worker's prefix cache, n > 1, a grammar-constrained
+request, and every cache's integrity afterwards."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from hybridserve.config import DeploymentConfig, EngineConfig
-from hybridserve.engine.async_llm import AsyncLLM
+from hybridserve.engine.async_llm import AsyncLLM, sampling_defaults
+from hybridserve.engine.client import InprocEngineClient
+from hybridserve.engine.llm import LLM
 from hybridserve.router.deploy import build_engine
 from hybridserve.sampling_params import SamplingParams, StructuredOutput
 
@@ -23,7 +25,6 @@ ENGINE = {
     "max_num_batched_tokens": 64,  # the long prompt takes several steps
     "num_state_slots": 8,
 }
-AGGREGATED = DeploymentConfig(num_workers=1)
 DISAGGREGATED = DeploymentConfig(num_prefill_workers=1, num_decode_workers=1, max_local_prefill_tokens=0)
 
 
@@ -60,8 +61,18 @@ async def _run(engine: AsyncLLM) -> list[list[tuple[list[int], list[float]]]]:
     return results
 
 
-def _serve(model: Path, deployment: DeploymentConfig) -> tuple[list, dict]:
-    engine = build_engine(EngineConfig(model=str(model), **ENGINE), deployment)
+def _aggregated(model: Path) -> list:
+    """The reference: the same engine in this process (what one aggregated worker runs, without the process)."""
+    llm = LLM(str(model), **ENGINE)
+    client = InprocEngineClient(llm.core, llm.config)
+    engine = AsyncLLM(client, llm.tokenizer, "m", llm.eos_token_ids, model, sampling_defaults(model))
+    results = asyncio.run(_run(engine))
+    llm.core.check_integrity()
+    return results
+
+
+def _disaggregated(model: Path) -> tuple[list, dict]:
+    engine = build_engine(EngineConfig(model=str(model), **ENGINE), DISAGGREGATED)
 
     async def go() -> tuple[list, dict]:
         results = await _run(engine)
@@ -82,8 +93,8 @@ def _serve(model: Path, deployment: DeploymentConfig) -> tuple[list, dict]:
 @pytest.mark.parametrize("model", ["smollm2_dir", "kimi_linear_dir", "kimi_k3_dir"])
 def test_disaggregated_equals_aggregated(model: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(model)
-    expected, _ = _serve(path, AGGREGATED)
-    got, reports = _serve(path, DISAGGREGATED)
+    expected = _aggregated(path)
+    got, reports = _disaggregated(path)
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
         for choice, ((want_ids, want_lps), (ids, lps)) in enumerate(zip(want, have, strict=True)):
             assert ids == want_ids, f"request {i} choice {choice}"
