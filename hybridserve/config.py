@@ -216,7 +216,14 @@ class DeploymentConfig:
         0.0, "kv_aware and least_load: 0 picks the cheapest worker; above 0 draws among near-equal ones"
     )
     worker_timeout: float = setting(
-        10.0, "seconds without a heartbeat after which a worker counts as down (its requests fail, others go on)"
+        10.0,
+        "seconds without a transport heartbeat (answered by the worker's I/O thread, also mid-step) after which a "
+        "worker counts as down: killed, stopped or unreachable (its requests fail, others go on)",
+    )
+    worker_step_timeout: float = setting(
+        300.0,
+        "seconds a worker whose connection is alive may leave pings unanswered (its engine loop answers between "
+        "steps) before it counts as hung and down",
     )
     worker_api_key: str | None = setting(
         None, "the shared secret remote workers expect (their --api-key); $HYBRIDSERVE_WORKER_API_KEY also sets it"
@@ -276,8 +283,9 @@ class DeploymentConfig:
                 "routing_prefix_weight",
                 f"routing_prefix_weight must be a positive finite number, got {self.routing_prefix_weight}",
             )
-        if not 0 < self.worker_timeout < float("inf"):
-            raise InvalidParameter("worker_timeout", f"worker_timeout must be positive, got {self.worker_timeout}")
+        for name in ("worker_timeout", "worker_step_timeout"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise InvalidParameter(name, f"{name} must be positive, got {getattr(self, name)}")
 
     @property
     def disaggregated(self) -> bool:

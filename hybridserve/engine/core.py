@@ -179,6 +179,7 @@ class EngineCore:
             stats,
             kv_pulls_done=c.pulls_done,
             kv_pulls_failed=c.pulls_failed,
+            kv_leases_expired=c.leases_expired,
             kv_pulled_kv_bytes=c.kv_bytes,
             kv_pulled_state_bytes=c.state_bytes,
             kv_pull_kv_seconds=c.kv_seconds,

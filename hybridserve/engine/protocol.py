@@ -8,10 +8,12 @@ engine request when one matches.
 from __future__ import annotations
 
 import enum
+import functools
+import hashlib
 
 import msgspec
 
-from hybridserve.engine.cache.events import CachedSet
+from hybridserve.engine.cache.events import CachedSet, KVEventBatch
 from hybridserve.engine.kv_transfer.messages import AddTransferPeer, KVTransfer, TransferEndpoint, TransferSource
 from hybridserve.sampling_params import SamplingParams
 
@@ -79,6 +81,7 @@ class SchedulerStats(msgspec.Struct, frozen=True, array_like=True):
     kv_pulling: int = 0  # decode worker: requests whose KV and state are being read
     kv_pulls_done: int = 0  # decode worker: reads completed since start
     kv_pulls_failed: int = 0  # of which failed (peer gone, error, deadline)
+    kv_leases_expired: int = 0  # prefill worker: held requests let go because no reader came within the lease
     kv_pulled_kv_bytes: int = 0  # bytes of KV blocks read since start
     kv_pulled_state_bytes: int = 0  # bytes of recurrent state read since start
     kv_pull_kv_seconds: float = 0.0  # the KV parts' read times, summed
@@ -104,6 +107,7 @@ class Hello(msgspec.Struct, frozen=True, array_like=True, tag=True):
     frontend: str
     session: str
     secret: str = ""
+    protocol: str = ""  # the frontend's protocol_fingerprint()
 
 
 class Ping(msgspec.Struct, frozen=True, array_like=True, tag=True):
@@ -193,3 +197,12 @@ class IntegrityReport(msgspec.Struct, frozen=True, array_like=True, tag=True):
 
 
 WorkerOutput = EngineCoreOutputs | Pong | Refused | Welcome | CachedSet | IntegrityReport
+
+
+@functools.cache
+def protocol_fingerprint() -> str:
+    """A digest of every message's layout (names, types, order). Messages travel as arrays, so a frontend and a
+    worker built from different code would misread each other's fields without an error; instead the worker
+    refuses a Hello whose fingerprint differs from its own."""
+    schema = msgspec.json.schema_components([EngineInput, WorkerOutput, KVEventBatch])
+    return hashlib.sha256(msgspec.json.encode(schema)).hexdigest()[:16]

@@ -47,6 +47,7 @@ from hybridserve.engine.protocol import (
     Refused,
     Welcome,
     WorkerIdentity,
+    protocol_fingerprint,
 )
 
 logger = logging.getLogger("hybridserve.worker")
@@ -208,6 +209,12 @@ class EngineWorker:
         if self.secret and not hmac.compare_digest(hello.secret.encode(), self.secret.encode()):
             logger.warning("refused a frontend session: wrong shared secret")
             self._send(route, Refused("wrong shared secret (the worker's --api-key)"))
+            return
+        if hello.protocol != protocol_fingerprint():
+            theirs = hello.protocol or "none"
+            logger.warning("refused frontend %s: its protocol %s is not this worker's", hello.frontend, theirs)
+            why = f"protocol {theirs} != {protocol_fingerprint()} (the frontend's and this worker's hybridserve differ)"
+            self._send(route, Refused(why))
             return
         for old_route, old in list(self.sessions.items()):
             if old.frontend == hello.frontend or old_route == route:

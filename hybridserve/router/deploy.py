@@ -48,6 +48,7 @@ def build_engine(
         Routing(deployment.routing_policy),
         deployment.routing_temperature,
         deployment.worker_timeout,
+        deployment.worker_step_timeout,
         deployment.worker_api_key or os.environ.get(WORKER_API_KEY_ENV, ""),
         config.seed,
         deployment.routing_prefix_weight,

@@ -1,7 +1,10 @@
 """One worker as the router sees it: its address, its state, the session with it, and the requests it holds.
 
 A session is a ZeroMQ DEALER socket (a fresh one, with a fresh session id, on every connect) opened with
-`Hello` and answered with the worker's identity. The link's state moves
+`Hello` and answered with the worker's identity. Liveness is ZeroMQ's own transport heartbeat (ZMTP PING/PONG,
+answered by the worker's I/O thread, so an engine step of any length does not silence it): a killed, stopped
+or unreachable worker drops the connection after the heartbeat timeout, and the socket's monitor says so. The
+link's state moves
 connecting → up → down → connecting … (or → refused, when the worker is the wrong one or refuses us); the
 router owns the transitions. A local worker (spawned by this frontend) also has its process, which is
 restarted when it dies.
@@ -30,6 +33,7 @@ from hybridserve.engine.protocol import (
     Welcome,
     WorkerIdentity,
     WorkerOutput,
+    protocol_fingerprint,
 )
 
 
@@ -49,6 +53,7 @@ class WorkerExited(RuntimeError):
 
 
 _POLL_MS = 200
+_HEARTBEAT_IVL_MS = 1000  # a ZMTP PING this often; the link's heartbeat timeout ends a connection it goes unanswered
 
 
 @dataclass
@@ -75,6 +80,7 @@ class WorkerLink:
     introduced: set[str] = field(default_factory=set)  # decode worker: prefill agents it was told of, this session
     sock: zmq.asyncio.Socket | None = None
     events: zmq.asyncio.Socket | None = None
+    monitor: zmq.asyncio.Socket | None = None  # the session socket's disconnect events
 
     def hold(self, request_id: str, tokens: int) -> None:
         self.requests[request_id] = tokens
@@ -95,7 +101,9 @@ class WorkerLink:
         if self.sock is not None:
             self.sock.send(_encode(msg), flags=zmq.NOBLOCK)
 
-    async def connect(self, ctx: zmq.asyncio.Context, frontend: str, secret: str, timeout_s: float) -> Welcome:
+    async def connect(
+        self, ctx: zmq.asyncio.Context, frontend: str, secret: str, timeout_s: float, heartbeat_timeout_s: float
+    ) -> Welcome:
         """Opens a new session; raises HandshakeRefused when the worker says no, TimeoutError when it is silent,
         WorkerExited when a local worker's process ends first."""
         self.close()
@@ -103,9 +111,12 @@ class WorkerLink:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # a send never fails for a full queue: the worker drains it
+        sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(_HEARTBEAT_IVL_MS, round(heartbeat_timeout_s * 1000)))
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.address)
         self.sock = sock
-        sock.send(_encode(Hello(frontend, uuid.uuid4().hex, secret)))
+        sock.send(_encode(Hello(frontend, uuid.uuid4().hex, secret, protocol_fingerprint())))
         deadline = time.monotonic() + timeout_s
         while not await sock.poll(_POLL_MS):
             if self.process is not None and not self.process.is_alive():
@@ -139,11 +150,19 @@ class WorkerLink:
         assert self.events is not None
         return _decode_events(await self.events.recv())
 
+    async def disconnected(self) -> None:
+        """Returns when the session's connection drops: the worker died, stopped or became unreachable long
+        enough to miss the transport heartbeats."""
+        assert self.monitor is not None
+        await self.monitor.recv_multipart()
+
     def close(self) -> None:
-        for sock in (self.sock, self.events):
+        if self.sock is not None and self.monitor is not None:
+            self.sock.disable_monitor()
+        for sock in (self.monitor, self.sock, self.events):
             if sock is not None:
                 sock.close(linger=0)
-        self.sock = self.events = None
+        self.sock = self.events = self.monitor = None
 
 
 def _events_address(worker_address: str, announced: str) -> str:

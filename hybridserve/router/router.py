@@ -49,6 +49,7 @@ from hybridserve.engine.protocol import (
     Welcome,
     WorkerIdentity,
     WorkerStatus,
+    protocol_fingerprint,
 )
 from hybridserve.router.disagg import Disaggregation
 from hybridserve.router.index import KVIndex
@@ -62,13 +63,15 @@ MAX_BACKOFF_S = 30.0
 STARTUP_TIMEOUT_S = 600.0  # a local worker loading its model
 MAX_START_FAILURES = 3  # a local worker that fails to start this often in a row, with no worker up, is fatal
 _POLL_MS = 200
+_EXIT_POLLS = 10
 
 
 @dataclass(frozen=True)
 class RouterSettings:
     routing: Routing = Routing.KV_AWARE
     temperature: float = 0.0
-    worker_timeout_s: float = 10.0  # silence after which a worker counts as down
+    worker_timeout_s: float = 10.0  # transport heartbeats missed this long: the worker counts as down
+    worker_step_timeout_s: float = 300.0  # its connection alive but its engine loop silent this long: hung
     secret: str = ""  # the workers' shared secret
     seed: int = 0
     prefix_weight: float = 4.0  # kv_aware: a cached block against a block of load
@@ -108,6 +111,9 @@ class Router:
         self.policy: Policy | None = None
         self.disagg: Disaggregation | None = None  # with prefill and decode pools
         self._owner: dict[str, WorkerLink] = {}  # request id → the worker running it
+        # Handed to a decode worker, not yet heard of there: the prefill worker holding its KV, told to let go
+        # if the decode worker refuses it or goes down first (rather than after the lease).
+        self._held_on: dict[str, WorkerLink] = {}
         self._ctx = zmq.asyncio.Context()
         self._queue: asyncio.Queue[EngineCoreOutputs] | None = None
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}  # per worker: its readers
@@ -131,7 +137,7 @@ class Router:
         for link in self.links:
             sock = ctx.socket(zmq.DEALER)
             sock.connect(link.address)
-            sock.send(_encode(Hello(self.frontend, uuid.uuid4().hex, self.settings.secret)))
+            sock.send(_encode(Hello(self.frontend, uuid.uuid4().hex, self.settings.secret, protocol_fingerprint())))
             pending[link.name] = sock
         deadline = time.monotonic() + timeout_s
         accepted = 0
@@ -232,11 +238,14 @@ class Router:
             await asyncio.sleep(HEARTBEAT_S)
 
     def _watch(self, link: WorkerLink, now: float) -> None:
+        """A worker whose connection is alive may be inside a long step (its loop answers pings between steps):
+        only a silence past the step timeout counts as a hung engine."""
+        deadline = self.settings.worker_step_timeout_s
         if link.process is not None and not link.process.is_alive():
             self._mark_down(link, f"its process exited (exit code {link.process.exitcode})")
-        elif now - link.last_heard > self.settings.worker_timeout_s:
+        elif now - link.last_heard > deadline:
             silence = now - link.last_heard
-            self._mark_down(link, f"no heartbeat for {silence:.1f}s (deadline {self.settings.worker_timeout_s:g}s)")
+            self._mark_down(link, f"its engine loop answered nothing for {silence:.1f}s (step timeout {deadline:g}s)")
         else:
             link.send(Ping())
 
@@ -248,7 +257,11 @@ class Router:
                 self.respawn(link)
             try:
                 welcome = await link.connect(
-                    self._ctx, self.frontend, self.settings.secret, self._connect_timeout(link)
+                    self._ctx,
+                    self.frontend,
+                    self.settings.secret,
+                    self._connect_timeout(link),
+                    self.settings.worker_timeout_s,
                 )
             except (TimeoutError, HandshakeRefused, WorkerExited) as exc:
                 refused = isinstance(exc, HandshakeRefused)
@@ -268,6 +281,7 @@ class Router:
             self._tasks[link.name] = [
                 asyncio.create_task(self._read(link)),
                 asyncio.create_task(self._read_events(link)),
+                asyncio.create_task(self._watch_connection(link)),
             ]
             link.send(GetCachedSet())
         finally:
@@ -322,6 +336,19 @@ class Router:
                 self._mark_down(link, f"it ended the session: {msg.error}")
                 return
 
+    async def _watch_connection(self, link: WorkerLink) -> None:
+        await link.disconnected()
+        process = link.process
+        for _ in range(_EXIT_POLLS):  # a dying local worker closes its socket on the way out: say how it ended
+            if process is None or not process.is_alive():
+                break
+            await asyncio.sleep(_POLL_MS / 1000 / _EXIT_POLLS)
+        if process is not None and not process.is_alive():
+            self._mark_down(link, f"its process exited (exit code {process.exitcode})")
+            return
+        timeout = self.settings.worker_timeout_s
+        self._mark_down(link, f"its connection dropped (closed, or no transport heartbeat answered in {timeout:g}s)")
+
     async def _read_events(self, link: WorkerLink) -> None:
         while True:
             batch = await link.recv_events()
@@ -334,6 +361,9 @@ class Router:
         for out in batch.outputs:
             if out.request_id not in link.requests:
                 continue
+            held_on = self._held_on.pop(out.request_id, None)
+            if held_on is not None and out.finish_reason is not None and not out.new_token_ids:
+                held_on.send(AbortRequests([out.request_id]))  # refused before it read anything
             if out.finish_reason is not None:
                 link.release(out.request_id)
                 self._owner.pop(out.request_id, None)
@@ -362,6 +392,7 @@ class Router:
             return
         target.hold(rid, out.num_prompt_tokens + 1)
         self._owner[rid] = target
+        self._held_on[rid] = prefill
         for message in messages:
             target.send(message)
 
@@ -381,6 +412,8 @@ class Router:
             self._owner.pop(rid, None)
             if self.disagg is not None:
                 self.disagg.pending.pop(rid, None)
+            if (held_on := self._held_on.pop(rid, None)) is not None:
+                held_on.send(AbortRequests([rid]))  # no reader is coming: the prefill worker lets go now
         link.release_all()
         link.stats = SchedulerStats()
         self._retry_later(link, WorkerState.DOWN, why)
@@ -436,6 +469,8 @@ class Router:
             link = self._owner.get(rid)
             if link is not None:
                 by_link.setdefault(link.name, []).append(rid)
+            if (held_on := self._held_on.pop(rid, None)) is not None:
+                by_link.setdefault(held_on.name, []).append(rid)
         for link in self.links:
             if link.name in by_link:
                 link.send(AbortRequests(by_link[link.name]))

@@ -28,7 +28,7 @@ import zmq
 
 from hybridserve.config import DeploymentConfig, EngineConfig
 from hybridserve.engine.cache.events import CachedSet
-from hybridserve.engine.protocol import GetCachedSet, Hello, Welcome
+from hybridserve.engine.protocol import GetCachedSet, Hello, Refused, Welcome, protocol_fingerprint
 from hybridserve.router.deploy import build_engine
 from hybridserve.sampling_params import SamplingParams
 
@@ -109,16 +109,22 @@ def _states(base: str) -> dict[str, str]:
     return {w["name"]: w["state"] for w in _health(base).get("workers", [])}
 
 
-def _welcome(url: str) -> Welcome:
+def _hello(url: str, protocol: str) -> Welcome | Refused:
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.connect(url)
-        sock.send(msgspec.msgpack.encode(Hello("test-probe", "s1")))
+        sock.send(msgspec.msgpack.encode(Hello("test-probe", "s1", "", protocol)))
         assert sock.poll(int(TIMEOUT_S * 1000)), f"{url} did not answer"
-        return msgspec.msgpack.decode(sock.recv(), type=Welcome)
+        return msgspec.msgpack.decode(sock.recv(), type=Welcome | Refused)
     finally:
         ctx.destroy(linger=0)
+
+
+def _welcome(url: str) -> Welcome:
+    reply = _hello(url, protocol_fingerprint())
+    assert isinstance(reply, Welcome), reply
+    return reply
 
 
 @pytest.fixture(scope="module")
@@ -196,11 +202,24 @@ def _decisions(base: str) -> dict[tuple[str, str], float]:
 
 def test_a_mismatched_worker_is_refused_with_both_values_named(frontend, workers) -> None:
     odd = workers["urls"]["odd"]
+    # It may answer after the good workers at start-up (then it is down until its first retry, a second later).
+    _wait_until(lambda: _states(frontend).get(odd) == "refused", "the mismatched worker refused", 30)
     health = _health(frontend)
     worker = next(w for w in health["workers"] if w["name"] == odd)
     assert worker["state"] == "refused"
     assert worker["error"].startswith("block_size 32 != 16 (the deployment's, set by worker tcp://127.0.0.1:")
     assert health["status"] == "ok"
+
+
+def test_a_frontend_speaking_another_protocol_is_refused(workers) -> None:
+    """Messages travel as arrays: a frontend of another hybridserve build would misread fields silently, so the
+    worker compares message-layout fingerprints at Hello (an old frontend sends none)."""
+    ours = protocol_fingerprint()
+    for theirs, named in (("0123456789abcdef", "0123456789abcdef"), ("", "none")):
+        reply = _hello(workers["urls"]["a"], theirs)
+        assert reply == Refused(f"protocol {named} != {ours} (the frontend's and this worker's hybridserve differ)"), (
+            reply
+        )
 
 
 def test_kv_aware_sends_a_conversation_back_to_the_worker_holding_its_prefix(frontend) -> None:
@@ -259,7 +278,7 @@ async def _wait_synced(router, url: str) -> int:
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.connect(url)
-        sock.send(msgspec.msgpack.encode(Hello("index-check", "s1")))
+        sock.send(msgspec.msgpack.encode(Hello("index-check", "s1", "", protocol_fingerprint())))
         await sock.recv()  # Welcome
         deadline = time.monotonic() + 10
         while True:
