@@ -126,6 +126,17 @@ class EngineConfig:
         "decode worker: bytes of KV and state reads in flight at once; more wait their turn (one always runs)",
         type=parse_bytes,
     )
+    kv_staging_bytes: int = setting(
+        256 * 1024**2,
+        "prefill and decode workers: size of the registered staging arena a request's fragmented KV blocks are "
+        "packed into, so a read is one descriptor instead of one per block; 0: always read the blocks directly",
+        type=parse_bytes,
+    )
+    kv_staging_min_run: float = setting(
+        16.0,
+        "prefill and decode workers: stage a request whose KV blocks lie in runs of consecutive blocks shorter "
+        "than this on average (docs/benchmarks.md has the measurement behind it)",
+    )
     kv_transfer_failure: str = setting(
         "fail",
         "decode worker, when a read fails or times out: fail the request, or recompute its prompt here",
@@ -159,6 +170,12 @@ class EngineConfig:
             raise InvalidParameter(
                 "kv_transfer_failure",
                 f"kv_transfer_failure must be one of {TRANSFER_FAILURE_POLICIES}, got {self.kv_transfer_failure!r}",
+            )
+        if self.kv_staging_bytes < 0:
+            raise InvalidParameter("kv_staging_bytes", f"kv_staging_bytes must be >= 0, got {self.kv_staging_bytes}")
+        if not self.kv_staging_min_run >= 0:  # inf: stage every request
+            raise InvalidParameter(
+                "kv_staging_min_run", f"kv_staging_min_run must be >= 0, got {self.kv_staging_min_run}"
             )
         for name in ("kv_lease", "kv_transfer_timeout"):
             if not 0 < getattr(self, name) < float("inf"):

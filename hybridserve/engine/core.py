@@ -75,6 +75,8 @@ class EngineCore:
                 config.kv_transfer_timeout,
                 config.kv_transfer_max_bytes,
                 config.kv_transfer_failure,
+                config.kv_staging_bytes,
+                config.kv_staging_min_run,
             )
             runner = self.runner
             weights = weights_fingerprint(hf_dir)
@@ -144,7 +146,7 @@ class EngineCore:
             held = req.status is RequestStatus.HELD  # its client moved on to the decode worker: nobody to tell
             self.scheduler.finish(req, FinishReason.ABORT)
             if held and self.connector is not None:
-                self.connector.leases.release(rid)
+                self.connector.release(rid)
             if not held:
                 self._pending.append(req.output([]))
 
@@ -180,6 +182,7 @@ class EngineCore:
             kv_pulls_done=c.pulls_done,
             kv_pulls_failed=c.pulls_failed,
             kv_leases_expired=c.leases_expired,
+            kv_staged=c.staged,
             kv_pulled_kv_bytes=c.kv_bytes,
             kv_pulled_state_bytes=c.state_bytes,
             kv_pull_kv_seconds=c.kv_seconds,

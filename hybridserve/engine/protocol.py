@@ -82,6 +82,7 @@ class SchedulerStats(msgspec.Struct, frozen=True, array_like=True):
     kv_pulls_done: int = 0  # decode worker: reads completed since start
     kv_pulls_failed: int = 0  # of which failed (peer gone, error, deadline)
     kv_leases_expired: int = 0  # prefill worker: held requests let go because no reader came within the lease
+    kv_staged: int = 0  # requests whose KV this worker packed into (or scattered from) its staging arena
     kv_pulled_kv_bytes: int = 0  # bytes of KV blocks read since start
     kv_pulled_state_bytes: int = 0  # bytes of recurrent state read since start
     kv_pull_kv_seconds: float = 0.0  # the KV parts' read times, summed

@@ -71,8 +71,9 @@ def _aggregated(model: Path) -> list:
     return results
 
 
-def _disaggregated(model: Path) -> tuple[list, dict]:
-    engine = build_engine(EngineConfig(model=str(model), **ENGINE), DISAGGREGATED)
+def _disaggregated(model: Path, staging_min_run: float) -> tuple[list, dict]:
+    config = EngineConfig(model=str(model), **ENGINE, kv_staging_min_run=staging_min_run)
+    engine = build_engine(config, DISAGGREGATED)
 
     async def go() -> tuple[list, dict]:
         results = await _run(engine)
@@ -90,11 +91,18 @@ def _disaggregated(model: Path) -> tuple[list, dict]:
         engine.shutdown()
 
 
-@pytest.mark.parametrize("model", ["smollm2_dir", "kimi_linear_dir", "kimi_k3_dir"])
-def test_disaggregated_equals_aggregated(model: str, request: pytest.FixtureRequest) -> None:
+ALWAYS, NEVER = float("inf"), 0.0  # staging: every request's KV packed into the arenas, or read from the blocks
+
+
+@pytest.mark.parametrize(
+    ("model", "staging"),
+    [("smollm2_dir", NEVER), ("smollm2_dir", ALWAYS), ("kimi_linear_dir", ALWAYS), ("kimi_k3_dir", NEVER)],
+    ids=["smollm2-direct", "smollm2-staged", "kimi-linear-staged", "kimi-k3-direct"],
+)
+def test_disaggregated_equals_aggregated(model: str, staging: float, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(model)
     expected = _aggregated(path)
-    got, reports = _disaggregated(path)
+    got, reports = _disaggregated(path, staging)
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
         for choice, ((want_ids, want_lps), (ids, lps)) in enumerate(zip(want, have, strict=True)):
             assert ids == want_ids, f"request {i} choice {choice}"
@@ -106,6 +114,8 @@ def test_disaggregated_equals_aggregated(model: str, request: pytest.FixtureRequ
     assert pulls >= 4 and decode.kv_pulls_done == pulls and decode.kv_pulls_failed == 0
     assert decode.kv_pulled_kv_bytes > 0
     assert prefill.kv_held == 0
+    # Staged: each side packed (prefill) or scattered (decode) every read request's KV; direct: none.
+    assert (prefill.kv_staged, decode.kv_staged) == ((pulls, pulls) if staging == ALWAYS else (0, 0))
     assert prefill.prefix_cache_hits > 0  # the third prompt, and the second choice of the fourth
     hybrid = model != "smollm2_dir"
     assert (decode.kv_pulled_state_bytes > 0) == hybrid

@@ -124,6 +124,8 @@ def run_on(kimi_linear_dir: Path) -> Iterator[Callable[[str, Scenario], None]]:
     yield run
     for engine in engines.values():
         engine.shutdown()
+    pending = asyncio.all_tasks(loop)  # the routers' readers, cancelled by shutdown but not yet run to their end
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     loop.close()
 
 

@@ -4,6 +4,10 @@ bounded by a deadline and by the bytes in flight; on failure fail the request or
 
 Notifications between the two workers ride NIXL itself: `done:<id>` (read landed), `drop:<id>` (the reader gave
 up or its client left) and `keep:<id>` (still waiting for room: push the lease back).
+
+Staging (arena.py): a side whose blocks for a request lie in runs shorter than `staging_min_run` on average packs
+them into a span of its staging arena (the prefill side at hold, the decode side reads into one and scatters it
+when the read lands), so the read is one descriptor instead of one per block and plane. No room: straight reads.
 """
 
 from __future__ import annotations
@@ -14,12 +18,23 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from hybridserve.engine.kv_transfer.agent import Read, TransferAgent, TransferError
-from hybridserve.engine.kv_transfer.layout import mismatch, read_descriptors, tensor_layouts
+from hybridserve.engine.kv_transfer.arena import StagingArena
+from hybridserve.engine.kv_transfer.layout import (
+    kv_bytes_per_block,
+    mean_run,
+    mismatch,
+    pack,
+    read_descriptors,
+    tensor_layouts,
+    unpack,
+)
 from hybridserve.engine.kv_transfer.leases import Leases
 from hybridserve.engine.kv_transfer.messages import TransferEndpoint, TransferSource
+from hybridserve.engine.model_runner import zeroed
 from hybridserve.engine.protocol import EngineCoreOutput, FinishReason
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import Scheduler
@@ -37,6 +52,8 @@ class TransferSettings:
     timeout_s: float  # decode side: a read not done by then is cancelled
     max_inflight_bytes: int  # decode side: bytes of reads in flight at once (one read is always allowed)
     failure_policy: str  # fail or recompute
+    staging_bytes: int = 0  # the staging arena's size; 0: no arena, every read goes straight between the blocks
+    staging_min_run: float = 0.0  # stage a request whose blocks lie in runs shorter than this on average
 
 
 @dataclass
@@ -49,6 +66,7 @@ class _Pull:
     reads: dict[str, Read]  # by part, while in flight
     nbytes: dict[str, int]
     seconds: dict[str, float] = field(default_factory=dict)  # by part, once done
+    staged: bool = False  # the KV part lands in the request's staging span, to be scattered into its blocks
 
 
 @dataclass
@@ -60,6 +78,7 @@ class TransferCounters:
     kv_seconds: float = 0.0  # summed over reads, from start to seen done
     state_seconds: float = 0.0
     leases_expired: int = 0
+    staged: int = 0  # requests whose KV this side packed into (or scattered from) its staging arena
     refused_peers: dict[str, str] = field(default_factory=dict)  # agent → why it cannot be read from
 
 
@@ -76,8 +95,14 @@ class KVConnector:
         self.settings = settings
         self.scheduler = scheduler
         tensors = [t for c in caches for t in (c if isinstance(c, tuple) else (c,))]
+        layouts = tensor_layouts(layout.layer_specs, caches)
+        self._kv = [(c, t.dim) for c, t in zip(tensors, layouts, strict=True) if t.kind == "kv"]  # for packing
         memory = "VRAM" if device.type == "cuda" else "DRAM"
         name = f"hybridserve-{settings.role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.arena: StagingArena | None = None
+        if settings.staging_bytes:
+            self.arena = StagingArena(zeroed((settings.staging_bytes,), torch.uint8, device))
+            tensors.append(self.arena.tensor)
         self.agent = TransferAgent(name, tensors, memory)
         self.endpoint = TransferEndpoint(
             name,
@@ -85,9 +110,11 @@ class KVConnector:
             weights,
             layout.block_size,
             memory,
-            tensor_layouts(layout.layer_specs, caches),
+            layouts,
             settings.lease_s,
+            arena=self.arena.address if self.arena is not None else 0,
         )
+        self._kv_block_bytes = kv_bytes_per_block(layouts)
         self.leases = Leases(settings.lease_s)
         self.peers: dict[str, TransferEndpoint] = {}
         self.counters = TransferCounters()
@@ -150,17 +177,36 @@ class KVConnector:
             peer = self.peers[source.agent]
             blocks = (source.block_ids, kv.block_ids(rid)[: len(source.block_ids)])
             slots = (source.state_slot, kv.state_slot(rid)) if source.state_slot >= 0 else None
-            parts = read_descriptors(self.endpoint.tensors, peer.tensors, blocks, slots)
+            theirs = peer.arena + source.staged if source.staged >= 0 else None
+            ours = self._stage(rid, blocks[1])
+            staged = (theirs, ours.data_ptr() if ours is not None else None)
+            parts = read_descriptors(self.endpoint.tensors, peer.tensors, blocks, slots, staged)
             pull = _Pull(req, now, now + self.settings.timeout_s, {}, {p: d.nbytes for p, d in parts.items()})
+            pull.staged = ours is not None
             try:
                 for part, d in parts.items():
                     pull.reads[part] = self.agent.read(source.agent, d.local, d.remote)
             except TransferError as exc:
                 self._cancel_all(pull)
+                self._unstage(rid)
                 failed.extend(self._failed(req, str(exc)))
                 continue
             self._pulls[rid] = pull
         return failed
+
+    def _stage(self, rid: str, blocks: list[int]) -> torch.Tensor | None:
+        """A staging span for the request's KV when its blocks here are fragmented and the arena has room."""
+        arena = self.arena
+        if arena is None or not blocks or mean_run(blocks) >= self.settings.staging_min_run:
+            return None
+        if arena.take(rid, len(blocks) * self._kv_block_bytes) is None:
+            return None
+        self.counters.staged += 1
+        return arena.view(rid)
+
+    def _unstage(self, rid: str) -> None:
+        if self.arena is not None:
+            self.arena.give_back(rid)
 
     def _cancel_all(self, pull: _Pull) -> bool:
         """Gives back every read of the pull still held; False if NIXL kept one (it is retried later)."""
@@ -191,6 +237,7 @@ class KVConnector:
         self.agent.notify(source.agent, b"drop:" + source.handle.encode())
         pull = self._pulls.pop(req.request_id, None)
         if pull is None or self._cancel_all(pull):
+            self._unstage(req.request_id)
             return True
         self._zombies[req.request_id] = pull
         return False
@@ -209,12 +256,17 @@ class KVConnector:
             except TransferError as exc:
                 del self._pulls[rid]
                 if self._cancel_all(pull):
+                    self._unstage(rid)
                     outputs += self._failed(req, str(exc))
                 else:
                     outputs += self._zombie(rid, pull, str(exc))
                 continue
             if not pull.reads:
                 del self._pulls[rid]
+                if pull.staged:
+                    assert self.arena is not None
+                    unpack(self._kv, self.scheduler.kv.block_ids(rid)[: len(source.block_ids)], self.arena.view(rid))
+                    self._unstage(rid)
                 self.agent.notify(source.agent, b"done:" + source.handle.encode())
                 c = self.counters
                 c.pulls_done += 1
@@ -226,10 +278,15 @@ class KVConnector:
             elif now > pull.deadline:
                 del self._pulls[rid]
                 why = f"no data from it within {self.settings.timeout_s:g}s (deadline)"
-                outputs += self._failed(req, why) if self._cancel_all(pull) else self._zombie(rid, pull, why)
+                if self._cancel_all(pull):
+                    self._unstage(rid)
+                    outputs += self._failed(req, why)
+                else:
+                    outputs += self._zombie(rid, pull, why)
         for rid, pull in list(self._zombies.items()):
             if self._cancel_all(pull):
                 del self._zombies[rid]
+                self._unstage(rid)
                 self.scheduler.finish(pull.request, FinishReason.ABORT)  # its client heard already
         return outputs
 
@@ -258,21 +315,39 @@ class KVConnector:
     # ---- the prefill half
 
     def hold(self, outputs: list[EngineCoreOutput], now: float) -> None:
-        for out in outputs:
-            if out.kv_transfer is not None:
-                self.leases.hold(out.request_id, now)
+        """Leases what the step prefilled for remote decode, packing fragmented requests' KV (the outputs then
+        name the span)."""
+        for i, out in enumerate(outputs):
+            source = out.kv_transfer
+            if source is None:
+                continue
+            self.leases.hold(out.request_id, now)
+            span = self._stage(out.request_id, source.block_ids)
+            if span is not None:
+                assert self.arena is not None
+                pack(self._kv, source.block_ids, span)
+                offset = span.data_ptr() - self.arena.address
+                outputs[i] = msgspec.structs.replace(out, kv_transfer=msgspec.structs.replace(source, staged=offset))
+        if self.arena is not None and self.arena.tensor.device.type == "cuda":
+            torch.cuda.current_stream(self.arena.tensor.device).synchronize()  # packed before anyone reads
+
+    def release(self, request_id: str) -> bool:
+        """A held request's reader is done, gave up, or its frontend dropped it: its lease and span go."""
+        self._unstage(request_id)
+        return self.leases.release(request_id)
 
     def _poll_notifications(self, now: float) -> None:
         for peer, message in self.agent.notifications():
             kind, _, rid = message.decode(errors="replace").partition(":")
             if kind in ("done", "drop"):
-                if self.leases.release(rid):
+                if self.release(rid):
                     self.scheduler.release_held(rid)
             elif kind == "keep":
                 self.leases.extend(rid, now)
             else:
                 logger.warning("unknown notification %r from %s", message[:80], peer)
         for rid in self.leases.expired(now):
+            self._unstage(rid)
             self.counters.leases_expired += 1
             logger.warning(
                 "request %s: no decode worker read it within %gs; its blocks go back", rid, self.leases.lease_s
@@ -305,3 +380,8 @@ class KVConnector:
         reading = set(self._pulls) | set(self._zombies)
         if not reading <= set(self.scheduler.pulling):
             raise AssertionError(f"reads {sorted(reading - set(self.scheduler.pulling))} for requests not pulling")
+        if self.arena is not None:
+            self.arena.check_integrity()
+            staged = set(self.arena.owners)
+            if not staged <= held | reading:
+                raise AssertionError(f"staging spans held for {sorted(staged - held - reading)}, neither held nor read")

@@ -4,7 +4,10 @@ Every tensor the transfer reads is one of the runner's cache tensors, registered
 layer its KV cache ([2, kv_heads, blocks, block_size, head_dim] for attention, [blocks, block_size, latent] for
 MLA), per linear-attention layer its conv-tail and recurrent-state slots ([slots, ...]). A block (or slot) is
 `planes` regions of `row_bytes` each, one per index of the dimensions before the block dimension, `count`
-rows apart; runs of consecutive blocks on both sides merge into one region per plane.
+rows apart. A request's part (its KV, or its state) is one byte stream: tensor by tensor, plane by plane, block
+by block. Either side holds it as its blocks' regions (a run of consecutive blocks is one region per plane) or
+packed in one staging-arena span (`pack` / `unpack`); a read's descriptors cut each side's regions where the
+other side's end.
 """
 
 from __future__ import annotations
@@ -64,13 +67,29 @@ def _describe(t: TensorLayout) -> str:
     return f"{t.dtype} {t.shape} (blocks or slots on dimension {t.dim})"
 
 
-def _runs(src: Sequence[int], dst: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(first source index, first destination index, length) of each run consecutive on both sides."""
-    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-    starts = np.concatenate([[0], breaks])
-    lengths = np.diff(np.concatenate([starts, [len(s)]]))
-    return s[starts], d[starts], lengths
+def _runs(ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(first index, length) of each run of consecutive ids."""
+    a = np.asarray(ids, dtype=np.int64)
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(a) != 1) + 1])
+    return a[starts], np.diff(np.concatenate([starts, [len(a)]]))
+
+
+def mean_run(ids: Sequence[int]) -> float:
+    """The mean length of the runs of consecutive ids: what a read of them costs in descriptors per block."""
+    return len(ids) / len(_runs(ids)[0]) if len(ids) else 0.0
+
+
+def _segments(tensors: Sequence[TensorLayout], ids: Sequence[int]) -> np.ndarray:
+    """Nx2 (address, length) of blocks or slots `ids` in every tensor, in stream order: tensor by tensor, plane
+    by plane, run by run. The stream order is also the packed order of a staged request."""
+    first, n = _runs(ids)
+    out = []
+    for t in tensors:
+        row = math.prod(t.shape[t.dim + 1 :]) * getattr(torch, t.dtype).itemsize
+        plane = np.arange(math.prod(t.shape[: t.dim]), dtype=np.int64)[:, None]
+        addr = t.address + plane * t.count * row + first[None, :] * row
+        out.append(np.stack([addr.ravel(), np.broadcast_to(n[None, :] * row, addr.shape).ravel()], axis=1))
+    return np.concatenate(out)
 
 
 @dataclass(frozen=True)
@@ -83,34 +102,81 @@ class ReadPart:
     nbytes: int
 
 
+def _pair(local: np.ndarray, remote: np.ndarray, local_device: int, remote_device: int) -> ReadPart:
+    """Descriptors reading the remote byte stream into the local one: each side's segments cut where the other's
+    end, so a descriptor covers bytes consecutive on both sides."""
+    ends = [np.concatenate([[0], np.cumsum(side[:, 1])]) for side in (local, remote)]
+    if ends[0][-1] != ends[1][-1]:
+        raise ValueError(f"a read of {ends[1][-1]} bytes into {ends[0][-1]}")
+    cuts = np.union1d(*ends)
+    starts, lengths = cuts[:-1], np.diff(cuts)
+    rows = []
+    for side, bounds, device in ((local, ends[0], local_device), (remote, ends[1], remote_device)):
+        i = np.searchsorted(bounds, starts, side="right") - 1
+        addr = side[i, 0] + (starts - bounds[i])
+        rows.append(np.stack([addr, lengths, np.full(len(starts), device)], axis=1).astype(np.uint64))
+    return ReadPart(rows[0], rows[1], int(ends[0][-1]))
+
+
 def read_descriptors(
     local: Sequence[TensorLayout],
     remote: Sequence[TensorLayout],
     blocks: tuple[Sequence[int], Sequence[int]],
     slots: tuple[int, int] | None,
+    staged: tuple[int | None, int | None] = (None, None),
 ) -> dict[str, ReadPart]:
     """For reading remote `blocks[0]` into local `blocks[1]` and remote state slot `slots[0]` into local
-    `slots[1]`: the "kv" part (every paged layer) and, for models with recurrent state, the "state" part."""
-    block_runs = _runs(*blocks)
-    slot_runs = _runs([slots[0]], [slots[1]]) if slots is not None else None
-    rows: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
-    nbytes: dict[str, int] = {}
-    for ours, theirs in zip(local, remote, strict=True):
-        part = "kv" if ours.kind == "kv" else "state"
-        runs = block_runs if part == "kv" else slot_runs
-        if runs is None:
+    `slots[1]`: the "kv" part (every paged layer) and, for models with recurrent state, the "state" part.
+    `staged` (remote, local): the address of a staging-arena span holding (or to hold) the KV part packed, in
+    place of that side's blocks."""
+    parts = {}
+    kv = [t for t in local if t.kind == "kv"], [t for t in remote if t.kind == "kv"]
+    if kv[0]:
+        nbytes = len(blocks[1]) * kv_bytes_per_block(kv[0])
+        sides = [
+            np.array([[at, nbytes]]) if at is not None else _segments(tensors, ids)
+            for tensors, ids, at in ((kv[0], blocks[1], staged[1]), (kv[1], blocks[0], staged[0]))
+        ]
+        parts["kv"] = _pair(*sides, kv[0][0].device, kv[1][0].device)
+    state = [t for t in local if t.kind != "kv"], [t for t in remote if t.kind != "kv"]
+    if state[0]:
+        if slots is None:
             raise ValueError("the peers keep recurrent state but the request names no state slot")
-        row = math.prod(ours.shape[ours.dim + 1 :]) * getattr(torch, ours.dtype).itemsize
-        planes = math.prod(ours.shape[: ours.dim])
-        src, dst, n = runs
-        plane = np.arange(planes, dtype=np.int64)[:, None]
-        local_rows, remote_rows = rows.setdefault(part, ([], []))
-        for t, first, out in ((theirs, src, remote_rows), (ours, dst, local_rows)):
-            addr = t.address + plane * t.count * row + first[None, :] * row
-            length = np.broadcast_to(n[None, :] * row, addr.shape)
-            out.append(np.stack([addr.ravel(), length.ravel(), np.full(addr.size, t.device)], axis=1))
-        nbytes[part] = nbytes.get(part, 0) + int(planes * n.sum() * row)
-    return {
-        part: ReadPart(np.concatenate(loc).astype(np.uint64), np.concatenate(rem).astype(np.uint64), nbytes[part])
-        for part, (loc, rem) in rows.items()
-    }
+        local_rows, remote_rows = _segments(state[0], [slots[1]]), _segments(state[1], [slots[0]])
+        parts["state"] = _pair(local_rows, remote_rows, state[0][0].device, state[1][0].device)
+    return parts
+
+
+def kv_bytes_per_block(tensors: Sequence[TensorLayout]) -> int:
+    return sum(
+        math.prod(t.shape[: t.dim]) * math.prod(t.shape[t.dim + 1 :]) * getattr(torch, t.dtype).itemsize
+        for t in tensors
+        if t.kind == "kv"
+    )
+
+
+def _planes(cache: torch.Tensor, dim: int) -> torch.Tensor:
+    """A KV cache tensor as [planes, blocks, row]."""
+    return cache.view(math.prod(cache.shape[:dim]), cache.shape[dim], -1)
+
+
+def pack(caches: Sequence[tuple[torch.Tensor, int]], blocks: Sequence[int], span: torch.Tensor) -> None:
+    """Gathers `blocks` of every (KV cache, block dimension) into the uint8 `span`, in stream order."""
+    ids = torch.tensor(blocks, dtype=torch.int64, device=span.device)
+    at = 0
+    for cache, dim in caches:
+        src = _planes(cache, dim)
+        out = span[at : at + src.shape[0] * len(blocks) * src.shape[2] * cache.element_size()]
+        torch.index_select(src, 1, ids, out=out.view(cache.dtype).view(src.shape[0], len(blocks), src.shape[2]))
+        at += out.numel()
+
+
+def unpack(caches: Sequence[tuple[torch.Tensor, int]], blocks: Sequence[int], span: torch.Tensor) -> None:
+    """Scatters a packed `span` into `blocks` of every (KV cache, block dimension): the inverse of `pack`."""
+    ids = torch.tensor(blocks, dtype=torch.int64, device=span.device)
+    at = 0
+    for cache, dim in caches:
+        dst = _planes(cache, dim)
+        n = dst.shape[0] * len(blocks) * dst.shape[2] * cache.element_size()
+        dst.index_copy_(1, ids, span[at : at + n].view(cache.dtype).view(dst.shape[0], len(blocks), dst.shape[2]))
+        at += n

@@ -37,6 +37,7 @@ class TransferEndpoint(msgspec.Struct, frozen=True, array_like=True):
     lease_s: float  # how long a prefill worker holds a prefilled request without news from its reader
     tp_size: int = 1
     tp_rank: int = 0
+    arena: int = 0  # where its staging arena lives (registered with NIXL); 0: it has none
 
 
 class TransferSource(msgspec.Struct, frozen=True, array_like=True):
@@ -49,6 +50,7 @@ class TransferSource(msgspec.Struct, frozen=True, array_like=True):
     state_slot: int  # -1: the model keeps no recurrent state
     num_tokens: int  # prompt tokens in those blocks and that state
     num_cached_tokens: int  # of which the prefill worker's prefix cache served
+    staged: int = -1  # the blocks' KV packed at this offset of the prefill worker's staging arena; -1: not packed
 
 
 class RemoteDecode(msgspec.Struct, frozen=True, array_like=True, tag=True):
