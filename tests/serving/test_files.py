@@ -1,5 +1,7 @@
 """/v1/files: the openai SDK's upload / list / retrieve / content / delete, the size limit, and bad uploads."""
 
+import time
+
 import openai
 import pytest
 from fastapi.testclient import TestClient
@@ -26,7 +28,7 @@ def sdk(http):
 
 def test_sdk_round_trip(sdk, http, tmp_path):
     uploaded = sdk.files.create(file=("in.jsonl", DATA), purpose="batch")
-    assert uploaded.id.startswith("file-")
+    assert uploaded.id.startswith("file-") and uploaded.expires_at is None
     assert (uploaded.object, uploaded.bytes, uploaded.filename, uploaded.purpose, uploaded.status) == (
         "file",
         len(DATA),
@@ -50,6 +52,65 @@ def test_sdk_round_trip(sdk, http, tmp_path):
     assert not (tmp_path / "files" / uploaded.id).exists()
     with pytest.raises(openai.NotFoundError):
         sdk.files.retrieve(uploaded.id)
+
+
+def test_expires_after(engine, tmp_path):
+    now = [1_000_000.0]
+    settings = BatchSettings(clock=lambda: now[0], file_sweep_interval_s=0.02)
+    with TestClient(build_app(engine, None, tmp_path, batch_settings=settings)) as http:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+        policy = {"anchor": "created_at", "seconds": 3600}
+        brief = sdk.files.create(file=("notes.txt", b"hello"), purpose="user_data", expires_after=policy)
+        kept = sdk.files.create(file=("in.jsonl", DATA), purpose="batch")
+        assert (brief.created_at, brief.expires_at, kept.expires_at) == (1_000_000, 1_003_600, None)
+        assert sdk.files.retrieve(brief.id) == brief
+        now[0] += 3600
+        with pytest.raises(openai.NotFoundError):
+            sdk.files.retrieve(brief.id)
+        r = http.get(f"/v1/files/{brief.id}/content")
+        assert (r.status_code, r.json()) == (
+            404,
+            error_body(f"No such File object: {brief.id}", param="file_id", code="not_found"),
+        )
+        assert [f.id for f in sdk.files.list()] == [kept.id]
+        deadline = time.monotonic() + 10
+        while (tmp_path / "files" / brief.id).exists():  # the sweep deletes the bytes too
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert sdk.files.retrieve(kept.id) == kept
+
+
+def test_expires_after_errors(http):
+    cases = [
+        (
+            {"expires_after[anchor]": "created_at", "expires_after[seconds]": "59"},
+            "Invalid value for 'expires_after.seconds': Input should be greater than or equal to 3600, got 59.",
+            "expires_after.seconds",
+            "invalid_value",
+        ),
+        (
+            {"expires_after[anchor]": "created_at", "expires_after[seconds]": "soon"},
+            "Invalid value for 'expires_after.seconds': expected an integer, got 'soon'.",
+            "expires_after.seconds",
+            "invalid_type",
+        ),
+        (
+            {"expires_after[anchor]": "last_used_at", "expires_after[seconds]": "3600"},
+            "Invalid value for 'expires_after.anchor': Input should be 'created_at', got \"last_used_at\".",
+            "expires_after.anchor",
+            "invalid_value",
+        ),
+        (
+            {"expires_after[seconds]": "3600"},
+            "Missing required parameter: 'expires_after.anchor'.",
+            "expires_after.anchor",
+            "missing_required_parameter",
+        ),
+    ]
+    for fields, message, param, code in cases:
+        r = http.post("/v1/files", files={"file": ("a.jsonl", DATA)}, data={"purpose": "batch", **fields})
+        assert (r.status_code, r.json()) == (400, error_body(message, param=param, code=code)), fields
+    assert http.get("/v1/files").json()["data"] == []
 
 
 def test_too_large_is_413_and_keeps_nothing(http, tmp_path):
