@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 
 from hybridserve.serving.app import build_app
 from hybridserve.serving.openai.batches.runner import BatchSettings
+from hybridserve.serving.storage import DATABASE_FILE, Database
 
 from .helpers import error_body
 
@@ -178,3 +179,27 @@ def test_files_survive_a_restart(engine, tmp_path):
         assert client.get(f"/v1/files/{uploaded['id']}").json() == uploaded
         assert client.get(f"/v1/files/{uploaded['id']}/content").content == DATA
     assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [uploaded["id"]]
+
+
+def test_a_database_from_before_expiry_opens(engine, tmp_path):
+    """Tables written before files had expires_at and batches output_expires_s gain the columns (null)."""
+    db = Database(tmp_path / DATABASE_FILE)
+    db.script(
+        "CREATE TABLE files (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, created_at INTEGER NOT NULL, "
+        "bytes INTEGER NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL);"
+        "INSERT INTO files VALUES ('file-old', 1, 1000, 5, 'old.txt', 'user_data');"
+        "CREATE TABLE batches (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, status TEXT NOT NULL, "
+        "endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL, metadata TEXT, "
+        "errors TEXT, created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, in_progress_at INTEGER, "
+        "finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER, cancelling_at INTEGER, "
+        "cancelled_at INTEGER, total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, "
+        "failed INTEGER NOT NULL DEFAULT 0, output_file_id TEXT NOT NULL, error_file_id TEXT NOT NULL, "
+        "output_bytes INTEGER NOT NULL DEFAULT 0, error_bytes INTEGER NOT NULL DEFAULT 0);"
+    )
+    db.close()
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "file-old").write_bytes(b"hello")
+    with TestClient(build_app(engine, None, tmp_path)) as client:
+        old = client.get("/v1/files/file-old").json()
+        assert (old["filename"], old["expires_at"]) == ("old.txt", None)
+        assert client.get("/v1/batches").json()["data"] == []

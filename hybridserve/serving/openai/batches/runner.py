@@ -130,9 +130,13 @@ class BatchRunner:
         """Gives runner slots to the unfinished batches a previous server left (the rest stay queued), and
         starts the progress ticker."""
         self._ticker = asyncio.create_task(self._tick(), name="batch progress")
-        for batch in self.store.unfinished():
-            logger.info("batch %s: resuming (%s, %d/%d requests done)", batch.id, batch.status, batch.done, batch.total)
+        unfinished = self.store.unfinished()
         self._admit()
+        for batch in unfinished:
+            state = "resuming" if batch.id in self._jobs else "queued for a runner slot"
+            logger.info(
+                "batch %s: %s (%s, %d/%d requests done)", batch.id, state, batch.status, batch.done, batch.total
+            )
 
     def submit(self, batch: Batch) -> None:
         """Runs a new batch if a slot is free; otherwise it waits, queued, for one."""
