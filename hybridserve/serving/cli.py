@@ -166,7 +166,13 @@ def add_batch_flags(serve: argparse.ArgumentParser) -> None:
         "--max-active-batches",
         type=int,
         default=defaults.max_active_batches,
-        help="most unfinished batches at once; creating one more answers 429",
+        help="most batches validated or run at once; a batch created past it waits, queued (FIFO), for a slot",
+    )
+    serve.add_argument(
+        "--max-queued-batches",
+        type=int,
+        default=defaults.max_queued_batches,
+        help="most batches waiting for a slot (--max-active-batches); creating one more answers 429 (0: no queue)",
     )
     serve.add_argument(
         "--batch-max-requests-in-flight",
@@ -181,10 +187,13 @@ def batch_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     for flag in flags:
         if (value := getattr(args, flag)) < 1:
             parser.error(f"--{flag.replace('_', '-')}: must be at least 1, got {value}")
+    if args.max_queued_batches < 0:
+        parser.error(f"--max-queued-batches: must be at least 0, got {args.max_queued_batches}")
     return BatchSettings(
         max_upload_bytes=args.max_upload_bytes,
         max_lines=args.batch_max_lines,
         max_active_batches=args.max_active_batches,
+        max_queued_batches=args.max_queued_batches,
         max_requests_in_flight=args.batch_max_requests_in_flight,
     )
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridserve.config import EngineConfig, ExtensionConfig
+from hybridserve.config import DeploymentConfig, EngineConfig, ExtensionConfig
 from hybridserve.serving.app import default_parsers
 from hybridserve.serving.extensions import extension_for
 from hybridserve.serving.flags import add_log_level_flag, add_model_flags, model_configs
@@ -93,6 +93,14 @@ def add_parser(commands: Any) -> None:
         help="most requests handed to the engine at once",
     )
     parser.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=DeploymentConfig().worker_timeout,
+        metavar="SECONDS",
+        help="seconds without a heartbeat after which the engine worker counts as down and the run stops (raise "
+        "it on a busy machine, where one large prefill step can take longer)",
+    )
+    parser.add_argument(
         "--progress-interval",
         type=float,
         default=defaults.progress_interval_s,
@@ -144,8 +152,9 @@ def _check_usage(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         )
     if args.max_requests_in_flight < 1:
         parser.error(f"--max-requests-in-flight: must be at least 1, got {args.max_requests_in_flight}")
-    if args.progress_interval <= 0:
-        parser.error(f"--progress-interval: must be positive, got {args.progress_interval}")
+    for flag in ("progress_interval", "worker_timeout"):
+        if not 0 < (value := getattr(args, flag)) < float("inf"):
+            parser.error(f"--{flag.replace('_', '-')}: must be positive, got {value}")
 
 
 def _run(
@@ -182,7 +191,7 @@ def _run(
         if pending:
             from hybridserve.router.deploy import build_engine  # heavy (torch): imported only to run
 
-            engine = build_engine(config)
+            engine = build_engine(config, DeploymentConfig(worker_timeout=args.worker_timeout))
             asyncio.run(_execute(engine, extension_config, args, results, progress, done, total))
     except EngineFailed as exc:
         return _stopped(str(exc), 1, progress, total, args)

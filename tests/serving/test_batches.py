@@ -109,7 +109,11 @@ def test_sdk_round_trip_answers_what_the_endpoint_answers(app_client, tokenizer,
     data = jsonl([line(f"request-{i}", endpoint) for i in range(3)])
     uploaded = sdk.files.create(file=("requests.jsonl", data), purpose="batch")
     batch = sdk.batches.create(
-        input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h", metadata={"job": "nightly"}
+        input_file_id=uploaded.id,
+        endpoint=endpoint,
+        completion_window="24h",
+        metadata={"job": "nightly"},
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
     )
     assert (batch.status, batch.endpoint, batch.metadata, batch.request_counts.total) == (
         "validating",
@@ -126,6 +130,8 @@ def test_sdk_round_trip_answers_what_the_endpoint_answers(app_client, tokenizer,
     assert batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
     output = sdk.files.retrieve(batch.output_file_id)
     assert (output.purpose, output.filename) == ("batch_output", f"{batch.id}_output.jsonl")
+    assert output.expires_at == output.created_at + 7200  # anchored at the file's creation
+    assert sdk.files.retrieve(uploaded.id).expires_at is None
     results = [json.loads(x) for x in sdk.files.content(batch.output_file_id).text.splitlines()]
     assert [r["custom_id"] for r in results] == ["request-0", "request-1", "request-2"]
     direct = client.post(endpoint, json=BODIES[endpoint]).json()
@@ -337,6 +343,111 @@ def test_restart_resumes_and_writes_every_line_exactly_once(app_client, tokenize
     assert len(second.calls) == 4
 
 
+@pytest.mark.parametrize("then", ["engine recovers", "server restarts"])
+def test_a_stopped_engine_writes_no_error_lines_and_the_batch_goes_on_after(
+    app_client, tokenizer, tmp_path, caplog, then
+):
+    """The engine dies under two requests in flight: neither is written (no 500 lines), the batch stays in
+    progress and waits; once the engine serves again (a router restarts its worker), or on the next server,
+    the batch runs what has no result, and every line is in the output exactly once."""
+    caplog.set_level(logging.INFO, "hybridserve.serving.openai.batches.runner")
+    engine = paused_engine(tokenizer, 2)
+    client = app_client(engine, max_requests_in_flight=2, engine_wait_s=0.02)
+    batch = create(client, jsonl([line(f"job-{i}") for i in range(6)]))
+    wait_for(client, batch["id"], "in_progress", until=lambda b: b["request_counts"]["completed"] == 2)
+    wait(lambda: engine.running == 2, "two requests to pause")
+    engine.dead, engine.raise_at_step = True, 1  # the paused requests fail, the health check says why
+    client.portal.call(engine.resume.set)
+    stopped = f"batch {batch['id']}: the engine stopped serving (engine process exited with code 1) with 2/6"
+    wait(lambda: stopped in caplog.text, "the runner to see the engine stop")
+    wait(
+        lambda: "requests done (2 completed, 0 failed), " in caplog.text and "waiting for the engine" in caplog.text,
+        "a progress line",
+    )
+    paused = client.get(f"/v1/batches/{batch['id']}").json()
+    assert (paused["status"], paused["request_counts"]) == ("in_progress", {"total": 6, "completed": 2, "failed": 0})
+    db = Database(tmp_path / DATABASE_FILE)
+    stored = BatchStore(db).get(batch["id"])
+    db.close()
+    assert stored.error_bytes == 0 and not (tmp_path / "files" / stored.error_file_id).read_bytes()
+    assert len(engine.calls) == 4  # nothing more was sent to a dead engine
+
+    engine.dead, engine.raise_at_step, engine.pause_at_step = False, None, None
+    if then == "server restarts":
+        client.__exit__(None, None, None)
+        client = app_client(engine)
+    done = wait_for(client, batch["id"], "completed")
+    assert done["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    assert done["error_file_id"] is None
+    results = lines_of(client, done["output_file_id"])
+    assert sorted(r["custom_id"] for r in results) == [f"job-{i}" for i in range(6)]
+    assert len(engine.calls) == 8  # the two that failed ran again
+
+
+def test_output_files_expire_and_the_sweep_deletes_them(app_client, tokenizer, tmp_path, caplog):
+    caplog.set_level(logging.INFO, "hybridserve.serving.openai.files.service")
+    now = [1_000_000.0]
+    client = app_client(
+        FakeEngine(tokenizer, [PARIS], max_model_len=64), clock=lambda: now[0], file_sweep_interval_s=0.02
+    )
+    too_long = {"messages": [{"role": "user", "content": "word " * 80}]}
+    policy = {"anchor": "created_at", "seconds": 3600}
+    batch = create(client, jsonl([line("fine"), line("too-long", body=too_long)]), output_expires_after=policy)
+    now[0] += 600  # the files' clock starts when the batch ends, not when it was created
+    done = wait_for(client, batch["id"], "completed")
+    files = [client.get(f"/v1/files/{done[kind]}").json() for kind in ("output_file_id", "error_file_id")]
+    assert [(f["created_at"], f["expires_at"]) for f in files] == [(1_000_600, 1_004_200)] * 2
+    now[0] = 1_004_200
+    for f in files:
+        r = client.get(f"/v1/files/{f['id']}/content")
+        assert (r.status_code, r.json()) == (
+            404,
+            error_body(f"No such File object: {f['id']}", param="file_id", code="not_found"),
+        )
+    assert [f["id"] for f in client.get("/v1/files").json()["data"]] == [batch["input_file_id"]]
+    wait(lambda: not any((tmp_path / "files" / f["id"]).exists() for f in files), "the sweep to delete the files")
+    assert f"deleted 2 expired files: {files[0]['id']}, {files[1]['id']}" in caplog.text
+    batch = client.get(f"/v1/batches/{batch['id']}").json()  # the batch still names them, as OpenAI's does
+    assert (batch["output_file_id"], batch["error_file_id"]) == (files[0]["id"], files[1]["id"])
+
+
+def test_output_expiry_errors(app_client):
+    client = app_client()
+    file_id = upload(client, jsonl([line("a")]))
+    good = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    cases = [
+        (
+            {"anchor": "created_at", "seconds": 60},
+            "Invalid value for 'output_expires_after.seconds': Input should be greater than or equal to 3600, got 60.",
+            "output_expires_after.seconds",
+            "invalid_value",
+        ),
+        (
+            {"anchor": "created_at", "seconds": 2592001},
+            "Invalid value for 'output_expires_after.seconds': Input should be less than or equal to 2592000, got "
+            "2592001.",
+            "output_expires_after.seconds",
+            "invalid_value",
+        ),
+        (
+            {"anchor": "completed_at", "seconds": 3600},
+            "Invalid value for 'output_expires_after.anchor': Input should be 'created_at', got \"completed_at\".",
+            "output_expires_after.anchor",
+            "invalid_value",
+        ),
+        (
+            {"anchor": "created_at"},
+            "Missing required parameter: 'output_expires_after.seconds'.",
+            "output_expires_after.seconds",
+            "missing_required_parameter",
+        ),
+    ]
+    for policy, message, param, code in cases:
+        r = client.post("/v1/batches", json={**good, "output_expires_after": policy})
+        assert (r.status_code, r.json()) == (400, error_body(message, param=param, code=code)), policy
+    assert client.get("/v1/batches").json()["data"] == []
+
+
 def test_create_errors(app_client):
     client = app_client(max_active_batches=1)
     file_id = upload(client, jsonl([line("a")]))
@@ -399,32 +510,90 @@ def test_create_errors(app_client):
     )
 
 
-def test_active_batches_are_bounded_and_inputs_in_use_kept(app_client, tokenizer):
+def test_batches_past_the_limit_wait_queued_and_start_in_order(app_client, tokenizer):
     engine = paused_engine(tokenizer, 0)
-    client = app_client(engine, max_active_batches=1)
-    running = create(client, jsonl([line("a")]))
+    client = app_client(engine, max_active_batches=1, max_queued_batches=2)
+
+    def body(n: int) -> dict:  # max_tokens tells the batches' requests apart in engine.calls
+        return {"messages": QUESTION, "max_tokens": n}
+
+    running, second, third = (create(client, jsonl([line("a", body=body(n))])) for n in (10, 11, 12))
+    wait(lambda: engine.running == 1, "the first batch's request to pause")
+    for queued in (second, third):
+        batch = client.get(f"/v1/batches/{queued['id']}").json()
+        assert (batch["status"], batch["request_counts"], batch["in_progress_at"]) == (
+            "validating",
+            {"total": 0, "completed": 0, "failed": 0},
+            None,
+        )
     r = client.post(
         "/v1/batches",
         json={
-            "input_file_id": running["input_file_id"],
+            "input_file_id": upload(client, jsonl([line("a")])),
             "endpoint": "/v1/chat/completions",
             "completion_window": "24h",
         },
     )
     message = (
-        "This server already has 1 unfinished batches, its limit (--max-active-batches 1): wait for one to finish "
-        "or cancel one."
+        "This server already has 2 batches queued for a runner slot, its limit (--max-queued-batches 2), and runs 1 "
+        "at once (--max-active-batches): wait for one to finish or cancel one."
     )
     assert (r.status_code, r.json()) == (429, error_body(message, code="too_many_batches"))
-    r = client.delete(f"/v1/files/{running['input_file_id']}")
-    message = (
-        f"File '{running['input_file_id']}' is the input of batch '{running['id']}', which has not finished: cancel "
-        "the batch or wait for it to end before deleting the file."
+
+    cancelled = client.post(f"/v1/batches/{third['id']}/cancel").json()  # queued: ends at once
+    assert cancelled["status"] == "cancelled" and cancelled["cancelling_at"] <= cancelled["cancelled_at"]
+    assert cancelled["output_file_id"] is None and cancelled["error_file_id"] is None
+    fourth = create(client, jsonl([line("a", body=body(13))]))  # the cancel freed a place in the queue
+
+    r = client.delete(f"/v1/files/{second['input_file_id']}")  # a queued batch's input is in use too
+    assert r.status_code == 409 and r.json()["error"]["code"] == "file_in_use"
+    client.portal.call(engine.resume.set)
+    for batch in (running, second, fourth):
+        done = wait_for(client, batch["id"], "completed")
+        assert done["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+    assert [params.max_tokens for _, params, _ in engine.calls] == [10, 11, 13]  # FIFO, the cancelled one skipped
+    assert client.delete(f"/v1/files/{second['input_file_id']}").json()["deleted"] is True
+
+
+def test_queued_batches_survive_a_restart(app_client, tokenizer, tmp_path):
+    engine = paused_engine(tokenizer, 0)
+    client = app_client(engine, max_active_batches=1, max_requests_in_flight=1)
+    first, second = (create(client, jsonl([line(f"{n}-{i}") for i in range(2)])) for n in ("first", "second"))
+    wait(lambda: engine.running == 1, "the first batch's request to pause")
+    client.__exit__(None, None, None)
+    db = Database(tmp_path / DATABASE_FILE)
+    assert [(b.id, b.status) for b in BatchStore(db).unfinished()] == [
+        (first["id"], "in_progress"),
+        (second["id"], "validating"),
+    ]
+    db.close()
+    again = FakeEngine(tokenizer, [PARIS])
+    client = app_client(again, max_active_batches=1, max_requests_in_flight=1)
+    for batch in (first, second):
+        assert wait_for(client, batch["id"], "completed")["request_counts"]["completed"] == 2
+    assert len(again.calls) == 4  # the first batch resumed first, then the queued one ran
+    first_done = client.get(f"/v1/batches/{first['id']}").json()["completed_at"]
+    assert first_done <= client.get(f"/v1/batches/{second['id']}").json()["in_progress_at"]
+
+
+def test_a_batch_still_queued_past_its_window_expires(app_client, tokenizer, caplog):
+    caplog.set_level(logging.INFO, "hybridserve.serving.openai.batches.runner")
+    now = [1_000_000.0]
+    engine = paused_engine(tokenizer, 0)
+    client = app_client(engine, max_active_batches=1, clock=lambda: now[0])
+    running = create(client, jsonl([line("r")]))
+    queued = create(client, jsonl([line("q-0"), line("q-1")]))
+    wait(lambda: engine.running == 1, "the running batch's request to pause")
+    now[0] += 24 * 3600  # the window counts from creation, queued or not
+    done = wait_for(client, queued["id"], "expired")
+    assert (done["request_counts"], done["in_progress_at"], done["error_file_id"]) == (
+        {"total": 0, "completed": 0, "failed": 0},
+        None,
+        None,
     )
-    assert (r.status_code, r.json()) == (409, error_body(message, param="file_id", code="file_in_use"))
-    client.post(f"/v1/batches/{running['id']}/cancel")
-    wait_for(client, running["id"], "cancelled")
-    assert client.delete(f"/v1/files/{running['input_file_id']}").json()["deleted"] is True
+    assert f"batch {queued['id']}: past its completion window while queued" in caplog.text
+    assert wait_for(client, running["id"], "expired")["request_counts"]["failed"] == 1
+    assert len(engine.calls) == 1  # the queued batch ran nothing
 
 
 def test_list_pages_newest_first(app_client):
@@ -486,11 +655,16 @@ def test_cli_flags_reach_the_batch_settings(monkeypatch, tokenizer, capsys):
     monkeypatch.setattr("hybridserve.serving.app.build_app", fake_build_app)
     flags = ["--max-upload-bytes", "2MiB", "--batch-max-lines", "7", "--max-active-batches", "3"]
     with pytest.raises(SystemExit):
-        cli.main(["serve", *flags, "--batch-max-requests-in-flight", "5"])
+        cli.main(["serve", *flags, "--batch-max-requests-in-flight", "5", "--max-queued-batches", "0"])
     assert seen["settings"] == BatchSettings(
-        max_upload_bytes=2 * 1024 * 1024, max_lines=7, max_active_batches=3, max_requests_in_flight=5
+        max_upload_bytes=2 * 1024 * 1024,
+        max_lines=7,
+        max_active_batches=3,
+        max_queued_batches=0,
+        max_requests_in_flight=5,
     )
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["serve", "--max-active-batches", "0"])
-    assert exit_info.value.code == 2
-    assert "--max-active-batches: must be at least 1, got 0" in capsys.readouterr().err
+    for flag, bad, expected in (("--max-active-batches", "0", 1), ("--max-queued-batches", "-1", 0)):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["serve", flag, bad])
+        assert exit_info.value.code == 2
+        assert f"{flag}: must be at least {expected}, got {bad}" in capsys.readouterr().err

@@ -1,11 +1,14 @@
 """/v1/files: the openai SDK's upload / list / retrieve / content / delete, the size limit, and bad uploads."""
 
+import time
+
 import openai
 import pytest
 from fastapi.testclient import TestClient
 
 from hybridserve.serving.app import build_app
 from hybridserve.serving.openai.batches.runner import BatchSettings
+from hybridserve.serving.storage import DATABASE_FILE, Database
 
 from .helpers import error_body
 
@@ -26,7 +29,7 @@ def sdk(http):
 
 def test_sdk_round_trip(sdk, http, tmp_path):
     uploaded = sdk.files.create(file=("in.jsonl", DATA), purpose="batch")
-    assert uploaded.id.startswith("file-")
+    assert uploaded.id.startswith("file-") and uploaded.expires_at is None
     assert (uploaded.object, uploaded.bytes, uploaded.filename, uploaded.purpose, uploaded.status) == (
         "file",
         len(DATA),
@@ -50,6 +53,65 @@ def test_sdk_round_trip(sdk, http, tmp_path):
     assert not (tmp_path / "files" / uploaded.id).exists()
     with pytest.raises(openai.NotFoundError):
         sdk.files.retrieve(uploaded.id)
+
+
+def test_expires_after(engine, tmp_path):
+    now = [1_000_000.0]
+    settings = BatchSettings(clock=lambda: now[0], file_sweep_interval_s=0.02)
+    with TestClient(build_app(engine, None, tmp_path, batch_settings=settings)) as http:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+        policy = {"anchor": "created_at", "seconds": 3600}
+        brief = sdk.files.create(file=("notes.txt", b"hello"), purpose="user_data", expires_after=policy)
+        kept = sdk.files.create(file=("in.jsonl", DATA), purpose="batch")
+        assert (brief.created_at, brief.expires_at, kept.expires_at) == (1_000_000, 1_003_600, None)
+        assert sdk.files.retrieve(brief.id) == brief
+        now[0] += 3600
+        with pytest.raises(openai.NotFoundError):
+            sdk.files.retrieve(brief.id)
+        r = http.get(f"/v1/files/{brief.id}/content")
+        assert (r.status_code, r.json()) == (
+            404,
+            error_body(f"No such File object: {brief.id}", param="file_id", code="not_found"),
+        )
+        assert [f.id for f in sdk.files.list()] == [kept.id]
+        deadline = time.monotonic() + 10
+        while (tmp_path / "files" / brief.id).exists():  # the sweep deletes the bytes too
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert sdk.files.retrieve(kept.id) == kept
+
+
+def test_expires_after_errors(http):
+    cases = [
+        (
+            {"expires_after[anchor]": "created_at", "expires_after[seconds]": "59"},
+            "Invalid value for 'expires_after.seconds': Input should be greater than or equal to 3600, got 59.",
+            "expires_after.seconds",
+            "invalid_value",
+        ),
+        (
+            {"expires_after[anchor]": "created_at", "expires_after[seconds]": "soon"},
+            "Invalid value for 'expires_after.seconds': expected an integer, got 'soon'.",
+            "expires_after.seconds",
+            "invalid_type",
+        ),
+        (
+            {"expires_after[anchor]": "last_used_at", "expires_after[seconds]": "3600"},
+            "Invalid value for 'expires_after.anchor': Input should be 'created_at', got \"last_used_at\".",
+            "expires_after.anchor",
+            "invalid_value",
+        ),
+        (
+            {"expires_after[seconds]": "3600"},
+            "Missing required parameter: 'expires_after.anchor'.",
+            "expires_after.anchor",
+            "missing_required_parameter",
+        ),
+    ]
+    for fields, message, param, code in cases:
+        r = http.post("/v1/files", files={"file": ("a.jsonl", DATA)}, data={"purpose": "batch", **fields})
+        assert (r.status_code, r.json()) == (400, error_body(message, param=param, code=code)), fields
+    assert http.get("/v1/files").json()["data"] == []
 
 
 def test_too_large_is_413_and_keeps_nothing(http, tmp_path):
@@ -117,3 +179,27 @@ def test_files_survive_a_restart(engine, tmp_path):
         assert client.get(f"/v1/files/{uploaded['id']}").json() == uploaded
         assert client.get(f"/v1/files/{uploaded['id']}/content").content == DATA
     assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [uploaded["id"]]
+
+
+def test_a_database_from_before_expiry_opens(engine, tmp_path):
+    """Tables written before files had expires_at and batches output_expires_s gain the columns (null)."""
+    db = Database(tmp_path / DATABASE_FILE)
+    db.script(
+        "CREATE TABLE files (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, created_at INTEGER NOT NULL, "
+        "bytes INTEGER NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL);"
+        "INSERT INTO files VALUES ('file-old', 1, 1000, 5, 'old.txt', 'user_data');"
+        "CREATE TABLE batches (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, status TEXT NOT NULL, "
+        "endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL, metadata TEXT, "
+        "errors TEXT, created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, in_progress_at INTEGER, "
+        "finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER, cancelling_at INTEGER, "
+        "cancelled_at INTEGER, total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, "
+        "failed INTEGER NOT NULL DEFAULT 0, output_file_id TEXT NOT NULL, error_file_id TEXT NOT NULL, "
+        "output_bytes INTEGER NOT NULL DEFAULT 0, error_bytes INTEGER NOT NULL DEFAULT 0);"
+    )
+    db.close()
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "file-old").write_bytes(b"hello")
+    with TestClient(build_app(engine, None, tmp_path)) as client:
+        old = client.get("/v1/files/file-old").json()
+        assert (old["filename"], old["expires_at"]) == ("old.txt", None)
+        assert client.get("/v1/batches").json()["data"] == []

@@ -84,6 +84,16 @@ def test_upload_documents_its_multipart_form(document):
     schema = document["paths"]["/v1/files"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert schema["required"] == ["file", "purpose"]
     assert schema["properties"]["file"] == {"type": "string", "format": "binary"}
+    assert schema["properties"]["expires_after[seconds]"] == {"type": "integer", "minimum": 3600, "maximum": 2592000}
+
+
+def test_output_expiry_publishes_its_range(document):
+    batch = _ref(document, "#/components/schemas/CreateBatchRequest")
+    ref = next(b["$ref"] for b in batch["properties"]["output_expires_after"]["anyOf"] if "$ref" in b)
+    expiry = _ref(document, ref)
+    assert expiry["required"] == ["anchor", "seconds"]
+    assert (expiry["properties"]["seconds"]["minimum"], expiry["properties"]["seconds"]["maximum"]) == (3600, 2592000)
+    assert expiry["properties"]["anchor"]["const"] == "created_at"
 
 
 def test_a_documented_error_is_what_the_server_sends(client):

@@ -193,6 +193,7 @@ def test_invalid_lines_are_reported_by_number_and_nothing_runs(run, tokenizer, t
     [
         (["--max-requests-in-flight", "0"], "--max-requests-in-flight: must be at least 1, got 0"),
         (["--progress-interval", "0"], "--progress-interval: must be positive, got 0.0"),
+        (["--worker-timeout", "0"], "--worker-timeout: must be positive, got 0.0"),
         (["--block-size", "0"], "--block-size: block_size must be positive, got 0"),
     ],
 )

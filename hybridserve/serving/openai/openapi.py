@@ -25,7 +25,7 @@ ERROR_DESCRIPTIONS = {
     404: "The model, or the object the path names, does not exist.",
     409: "The object is in a state that does not allow this.",
     413: "The request body is larger than the server's limit.",
-    429: "Too many unfinished batches.",
+    429: "Too many batches already wait for a runner slot (--max-queued-batches).",
     500: "The engine or the server failed.",
     503: "No engine worker can serve the request now; retrying later may succeed.",
     507: "The response could not be stored: the disk is full.",

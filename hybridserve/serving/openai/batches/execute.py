@@ -3,7 +3,9 @@
 `call_endpoint` hands a line's body to its endpoint's service (`BatchEndpoint.create`, the code behind the HTTP
 route) and returns the status and body bytes the route would have answered, errors included, so a batch's
 response bodies are the HTTP API's own. `run_bounded` runs such requests at most `limit` at a time, and
-`Progress` counts what finished and says so in one log line.
+`Progress` counts what finished and says so in one log line. `engine_stopped` tells a request's own failure
+from the engine's: a request the engine could not serve because it stopped is never written as a result, so a
+resumed run retries it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -43,6 +45,19 @@ async def call_endpoint(endpoint: BatchEndpoint, line: InputLine, who: str) -> t
         return error.status, msgspec.json.encode(error.body())
 
 
+async def engine_stopped(status: int, health: Callable[[], Awaitable[None]]) -> str | None:
+    """Why the engine, not the request, failed a request answered `status`: a 503 (the worker serving it
+    went down) or another 5xx while `health` (the engine's check_health) raises. None for the request's own
+    answer, a 5xx from a healthy engine included."""
+    if status < 500:
+        return None
+    try:
+        await health()
+    except Exception as exc:
+        return str(exc)
+    return "the engine worker serving the request went down" if status == 503 else None
+
+
 async def _never() -> dict:
     return await asyncio.get_running_loop().create_future()
 
@@ -71,13 +86,18 @@ async def run_bounded(requests: Iterable[Awaitable[None]], limit: int) -> None:
         for task in in_flight:
             task.cancel()
         if in_flight:
-            await asyncio.wait(in_flight)
+            finished, _ = await asyncio.wait(in_flight)
+            _failures(finished)  # retrieved: what one raised while being cancelled is not worth a warning
 
 
 def _raise_failures(finished: set[asyncio.Task[None]]) -> None:
-    for task in finished:
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            raise exc
+    if failures := _failures(finished):
+        raise failures[0]
+
+
+def _failures(finished: set[asyncio.Task[None]]) -> list[BaseException]:
+    """What the tasks raised (each exception retrieved, so asyncio does not log it as never retrieved)."""
+    return [exc for task in finished if not task.cancelled() and (exc := task.exception()) is not None]
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import BinaryIO
 import msgspec
 
 from hybridserve.serving.engine import ServingEngine
-from hybridserve.serving.openai.batches.execute import Progress, call_endpoint, run_bounded
+from hybridserve.serving.openai.batches.execute import Progress, call_endpoint, engine_stopped, run_bounded
 from hybridserve.serving.openai.batches.protocol import BatchEndpoint, InputLine, result_line
 from hybridserve.serving.openai.batches.validate import CustomIds, read_lines
 
@@ -162,11 +162,8 @@ class OfflineRun:
 
     async def _request(self, line: InputLine) -> None:
         status, body = await call_endpoint(self.endpoints[line.url], line, WHO)
-        if status >= 500:
-            try:
-                await self.engine.check_health()
-            except Exception as exc:  # not the request's fault: it is not written, a resumed run retries it
-                raise EngineFailed(f"the engine stopped serving: {exc}") from exc
+        if (why := await engine_stopped(status, self.engine.check_health)) is not None:
+            raise EngineFailed(f"the engine stopped serving: {why}")  # not written: a resumed run retries it
         ok = status < 400
         if not ok:
             logger.info("%s: request %r answered %d: %s", WHO, line.custom_id, status, body[:300])

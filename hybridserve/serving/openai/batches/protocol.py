@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from hybridserve.serving.openai.errors import APIError
+from hybridserve.serving.openai.files.expiry import ExpiresAfter
 
 COMPLETION_WINDOWS = {"24h": 24 * 60 * 60}
 TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -43,6 +44,7 @@ class CreateBatchRequest(BaseModel):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None  # anchored at the output / error files' creation
 
     def check(self, endpoints: dict[str, BatchEndpoint]) -> None:
         if self.endpoint not in endpoints:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -16,6 +18,7 @@ from hybridserve.serving.openai.batches.service import BatchesService
 from hybridserve.serving.openai.batches.store import BatchStore
 from hybridserve.serving.openai.body import parse_body
 from hybridserve.serving.openai.errors import json_response
+from hybridserve.serving.openai.files.expiry import MAX_EXPIRY_S, MIN_EXPIRY_S
 from hybridserve.serving.openai.files.service import PURPOSES, FilesService
 from hybridserve.serving.openai.files.store import FileStore
 from hybridserve.serving.openai.openapi import errors, json_body, multipart_body
@@ -23,17 +26,24 @@ from hybridserve.serving.storage import Database
 
 
 class FilesAndBatches:
-    """The running part: `start()` resumes unfinished batches, `stop()` stops their tasks (they resume on
-    the next start) and removes a temporary file directory."""
+    """The running part: `start()` resumes unfinished batches and starts the expired-file sweep, `stop()`
+    stops their tasks (batches resume on the next start) and removes a temporary file directory."""
 
-    def __init__(self, runner: BatchRunner, temporary: Path | None) -> None:
+    def __init__(self, runner: BatchRunner, files: FilesService, temporary: Path | None) -> None:
         self.runner = runner
+        self.files = files
         self.temporary = temporary
+        self._sweep: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self.runner.resume()
+        interval = self.runner.settings.file_sweep_interval_s
+        self._sweep = asyncio.create_task(self.files.sweep(interval), name="expired file sweep")
 
     async def stop(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            await asyncio.wait([self._sweep])
         await self.runner.shutdown()
         if self.temporary is not None:
             shutil.rmtree(self.temporary, ignore_errors=True)
@@ -47,20 +57,28 @@ def add_files_and_batches(
     metrics: ServingMetrics,
     settings: BatchSettings,
     max_body_bytes: int,
+    engine_health: Callable[[], Awaitable[None]],
 ) -> FilesAndBatches:
     """Registers /v1/files and /v1/batches. File bytes live under `data_dir`/files (None: a temporary
     directory, removed at shutdown, for an app whose database is in memory too). A file upload is bounded by
-    `settings.max_upload_bytes`, a batch creation's JSON body by `max_body_bytes`."""
+    `settings.max_upload_bytes`, a batch creation's JSON body by `max_body_bytes`. `engine_health` (the
+    engine's check_health) tells the runner whether the engine stopped."""
     temporary = None if data_dir is not None else Path(tempfile.mkdtemp(prefix="hybridserve-files-"))
-    file_store = FileStore(db, Path(data_dir) / "files" if data_dir is not None else temporary)
+    directory = Path(data_dir) / "files" if data_dir is not None else temporary
+    file_store = FileStore(db, directory, settings.clock)
     batch_store = BatchStore(db)
     metrics.watch_batches(batch_store.status_counts)
-    runner = BatchRunner(batch_store, file_store, endpoints, metrics, settings)
+    runner = BatchRunner(batch_store, file_store, endpoints, metrics, settings, engine_health)
     files = FilesService(file_store, settings.max_upload_bytes, batch_store.reading)
     batches = BatchesService(batch_store, files, runner, endpoints, settings)
 
     upload = multipart_body(
-        {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": list(PURPOSES)}},
+        {
+            "file": {"type": "string", "format": "binary"},
+            "purpose": {"type": "string", "enum": list(PURPOSES)},
+            "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+            "expires_after[seconds]": {"type": "integer", "minimum": MIN_EXPIRY_S, "maximum": MAX_EXPIRY_S},
+        },
         ["file", "purpose"],
     )
 
@@ -102,4 +120,4 @@ def add_files_and_batches(
     async def cancel_batch(batch_id: str) -> Response:
         return json_response(batches.cancel(batch_id))
 
-    return FilesAndBatches(runner, temporary)
+    return FilesAndBatches(runner, files, temporary)

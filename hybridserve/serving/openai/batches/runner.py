@@ -1,16 +1,28 @@
-"""The batch runner: one task per unfinished batch, from validation to its terminal status.
+"""The batch runner: one task per running batch, from validation to its terminal status.
 
 validating → (input checked in a thread) → in_progress or failed → finalizing → completed. Each request runs
 through its endpoint's service (`execute.call_endpoint`: the code behind the HTTP route), at most
 `max_requests_in_flight` at a time per batch; its answer is appended to the output file (2xx) or the error
 file and committed at once (`BatchStore.record`), so a failing request is one error line and the batch goes
-on. Every batch not in a terminal state has a task here: at start-up `resume()` picks up what a stopped or
-killed server left (the committed lines are skipped), and an unexpected error ends the batch `failed`, with
-the error and its partial results, never stuck in progress.
+on. At start-up `resume()` picks up what a stopped or killed server left (the committed lines are skipped),
+and an unexpected error ends the batch `failed`, with the error and its partial results, never stuck in
+progress.
+
+Queue: at most `max_active_batches` batches have a task (a runner slot) at once. A batch created while every
+slot is taken is stored `validating` and waits; the queue is the batches table itself (durable: a restarted
+server finds it), served by `BatchStore.next_queued` whenever a slot frees: batches a previous server had
+started first, then the others oldest first. A queued batch is cancelled at once (nothing of it runs) and its
+completion window runs from its creation, so one still queued past `expires_at` ends `expired`.
 
 Stopping: `cancel()` aborts the requests in flight and ends the batch `cancelled` with what finished; past
 `expires_at` the batch ends `expired`, its unrun requests written to the error file as `batch_expired`;
 `shutdown()` (the server is stopping) aborts in-flight requests and leaves the batch to be resumed.
+
+The engine stopping is not the requests' fault: a request answered 503, or another 5xx while the engine's
+health check fails (`execute.engine_stopped`), is not written. The batch's requests in flight are aborted,
+the batch stays `in_progress` with its task, which checks the engine every `engine_wait_s` and runs what has
+no result once it is healthy again (a router restarts a dead worker); if the server stops first, the next
+server resumes it. Expiry and cancel still apply while it waits.
 A progress line per running batch is logged every `progress_interval_s`; logs name requests by their
 whole custom_id.
 """
@@ -21,7 +33,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -29,7 +41,7 @@ from typing import BinaryIO
 import msgspec
 
 from hybridserve.serving.metrics import ServingMetrics
-from hybridserve.serving.openai.batches.execute import Progress, call_endpoint, run_bounded
+from hybridserve.serving.openai.batches.execute import Progress, call_endpoint, engine_stopped, run_bounded
 from hybridserve.serving.openai.batches.protocol import (
     BatchEndpoint,
     InputLine,
@@ -48,23 +60,35 @@ EXPIRED = "This request could not be executed before the completion window expir
 class BatchSettings:
     """Limits of the Files and Batch APIs, and the runner's clock.
 
-    `clock` (seconds since the epoch) is the "now" of created_at and of the completion window: the runner
-    checks it every `progress_interval_s`, so a test can move it past `expires_at`.
+    `clock` (seconds since the epoch) is the "now" of created_at, of the completion window and of file
+    expiry: the runner checks windows every `progress_interval_s` and the file sweep runs every
+    `file_sweep_interval_s`, so a test can move it past `expires_at`. A batch paused on a stopped engine
+    checks it again every `engine_wait_s`.
     """
 
     max_upload_bytes: int = 512 * 1024 * 1024
     max_lines: int = 1_000_000
     max_active_batches: int = 16
+    max_queued_batches: int = 256
     max_requests_in_flight: int = 64
     progress_interval_s: float = 5.0
+    engine_wait_s: float = 2.0
+    file_sweep_interval_s: float = 60.0
     clock: Callable[[], float] = time.time
 
     def __post_init__(self) -> None:
         for name in ("max_upload_bytes", "max_lines", "max_active_batches", "max_requests_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.progress_interval_s <= 0:
-            raise ValueError(f"progress_interval_s must be positive, got {self.progress_interval_s}")
+        if self.max_queued_batches < 0:
+            raise ValueError(f"max_queued_batches must be at least 0, got {self.max_queued_batches}")
+        for name in ("progress_interval_s", "engine_wait_s", "file_sweep_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class _EngineStopped(Exception):
+    """A request the engine could not serve because the engine stopped (not written: it runs again)."""
 
 
 class _Job:
@@ -74,9 +98,12 @@ class _Job:
         self.halt = threading.Event()  # tells a validation thread to give up
         self.task: asyncio.Task[None] | None = None
         self.progress = Progress(batch.completed, batch.failed)
+        self.engine_down: str | None = None  # why, while the batch waits for a stopped engine
 
 
 class BatchRunner:
+    """`health` is the engine's check_health: it raises saying why when the engine cannot serve."""
+
     def __init__(
         self,
         store: BatchStore,
@@ -84,38 +111,64 @@ class BatchRunner:
         endpoints: dict[str, BatchEndpoint],
         metrics: ServingMetrics,
         settings: BatchSettings,
+        health: Callable[[], Awaitable[None]],
     ) -> None:
         self.store = store
         self.files = files
         self.endpoints = endpoints
         self.metrics = metrics
         self.settings = settings
+        self.health = health
         self._jobs: dict[str, _Job] = {}
         self._ticker: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def now(self) -> int:
         return int(self.settings.clock())
 
     def resume(self) -> None:
-        """Starts a task for every unfinished batch (those a previous server left), and the progress ticker."""
+        """Gives runner slots to the unfinished batches a previous server left (the rest stay queued), and
+        starts the progress ticker."""
         self._ticker = asyncio.create_task(self._tick(), name="batch progress")
-        for batch in self.store.unfinished():
-            logger.info("batch %s: resuming (%s, %d/%d requests done)", batch.id, batch.status, batch.done, batch.total)
-            self.start(batch)
+        unfinished = self.store.unfinished()
+        self._admit()
+        for batch in unfinished:
+            state = "resuming" if batch.id in self._jobs else "queued for a runner slot"
+            logger.info(
+                "batch %s: %s (%s, %d/%d requests done)", batch.id, state, batch.status, batch.done, batch.total
+            )
 
-    def start(self, batch: Batch) -> None:
-        job = _Job(batch)
-        self._jobs[batch.id] = job
-        job.task = asyncio.create_task(self._run(job), name=f"batch {batch.id}")
+    def submit(self, batch: Batch) -> None:
+        """Runs a new batch if a slot is free; otherwise it waits, queued, for one."""
+        self._admit()
+        if batch.id not in self._jobs:
+            logger.info(
+                "batch %s: queued behind %d others, all %d runner slots taken (--max-active-batches)",
+                batch.id,
+                self.queued() - 1,
+                self.settings.max_active_batches,
+            )
+
+    def slot_free(self) -> bool:
+        return len(self._jobs) < self.settings.max_active_batches
+
+    def queued(self) -> int:
+        """How many unfinished batches wait for a runner slot."""
+        return self.store.count_queued(self._jobs.keys())
 
     def cancel(self, batch_id: str) -> None:
-        """Asks the batch's task to end it `cancelled` (its status is already `cancelling`)."""
+        """Ends the batch `cancelled` (its status is already `cancelling`): at once if it is queued, else
+        through its task, which aborts the requests in flight."""
         job = self._jobs.get(batch_id)
         if job is not None:
             self._stop(job, "cancel")
+        else:
+            self._end(batch_id, "cancelled")
+            logger.info("batch %s: cancelled while queued", batch_id)
 
     async def shutdown(self) -> None:
         """Stops every task without ending its batch: the next server resumes them."""
+        self._stopping = True
         tasks = [job.task for job in self._jobs.values() if job.task is not None]
         if self._ticker is not None:
             tasks.append(self._ticker)
@@ -123,6 +176,20 @@ class BatchRunner:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
+
+    def _admit(self) -> None:
+        """Starts the next queued batches while slots are free."""
+        if self._stopping:
+            return
+        free = self.settings.max_active_batches - len(self._jobs)
+        if free > 0:
+            for batch in self.store.next_queued(self._jobs.keys(), free):
+                self._start(batch)
+
+    def _start(self, batch: Batch) -> None:
+        job = _Job(batch)
+        self._jobs[batch.id] = job
+        job.task = asyncio.create_task(self._run(job), name=f"batch {batch.id}")
 
     def _stop(self, job: _Job, reason: str) -> None:
         if job.stop is None and job.task is not None:
@@ -156,6 +223,7 @@ class BatchRunner:
             self._end(batch_id, "failed", errors=[error])
         finally:
             del self._jobs[batch_id]
+            self._admit()
 
     async def _work(self, job: _Job) -> None:
         batch = job.batch
@@ -195,10 +263,37 @@ class BatchRunner:
         return batch
 
     async def _execute(self, job: _Job, endpoint: BatchEndpoint) -> None:
-        """Runs the input lines without a committed result, at most max_requests_in_flight at a time."""
-        with _ResultFiles(self.store, self.files, job.batch) as results:
-            requests = (self._request(job, endpoint, results, n, raw) for n, raw in self._pending(job.batch))
-            await run_bounded(requests, self.settings.max_requests_in_flight)
+        """Runs the input lines without a committed result, at most max_requests_in_flight at a time; when
+        the engine stops, waits for it and runs what is left."""
+        while True:
+            job.batch = self._get(job.batch.id)  # the files' committed lengths, as of now
+            try:
+                with _ResultFiles(self.store, self.files, job.batch) as results:
+                    requests = (self._request(job, endpoint, results, n, raw) for n, raw in self._pending(job.batch))
+                    await run_bounded(requests, self.settings.max_requests_in_flight)
+                return
+            except _EngineStopped as exc:
+                await self._wait_for_engine(job, str(exc))
+
+    async def _wait_for_engine(self, job: _Job, why: str) -> None:
+        job.engine_down = why
+        logger.warning(
+            "batch %s: the engine stopped serving (%s) with %d/%d requests done; the batch waits for it (checked "
+            "every %g s), then runs the requests without a result, none of which was written",
+            job.batch.id,
+            why,
+            job.progress.done,
+            job.batch.total,
+            self.settings.engine_wait_s,
+        )
+        while job.engine_down is not None:
+            await asyncio.sleep(self.settings.engine_wait_s)
+            try:
+                await self.health()
+                job.engine_down = None
+            except Exception as exc:
+                job.engine_down = str(exc)
+        logger.info("batch %s: the engine is serving again; running the rest of the batch", job.batch.id)
 
     def _pending(self, batch: Batch) -> Iterator[tuple[int, bytes]]:
         """The input lines whose result is not committed yet, in order."""
@@ -216,6 +311,8 @@ class BatchRunner:
     ) -> None:
         line = InputLine.model_validate_json(raw)
         status, body = await call_endpoint(endpoint, line, f"batch {job.batch.id}")
+        if (why := await engine_stopped(status, self.health)) is not None:
+            raise _EngineStopped(why)
         ok = status < 400
         if not ok:
             logger.info("batch %s: request %r answered %d: %s", job.batch.id, line.custom_id, status, body[:300])
@@ -253,25 +350,34 @@ class BatchRunner:
                 (batch.error_file_id, batch.error_bytes, "error"),
             ):
                 if size and self.files.get(file_id) is None:
-                    self.files.add(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", size)
+                    self.files.add(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", size, batch.output_expires_s)
             self.store.update(batch_id, status, **values)
         for file_id, size in ((batch.output_file_id, batch.output_bytes), (batch.error_file_id, batch.error_bytes)):
             if not size:
                 self.files.path(file_id).unlink(missing_ok=True)
 
     async def _tick(self) -> None:
-        """Every progress_interval_s: a progress line per running batch, and the end of those past their window."""
+        """Every progress_interval_s: the end of the batches past their window (queued ones too: a task of
+        their own ends them at once, running nothing), and a progress line per running batch."""
         while True:
             await asyncio.sleep(self.settings.progress_interval_s)
-            now = self.now()
-            for job in list(self._jobs.values()):
-                if now >= job.batch.expires_at:
+            for batch in self.store.past_window(self.now()):
+                job = self._jobs.get(batch.id)
+                if job is None or job.stop is None:
+                    where = "while queued " if job is None else ""
                     logger.info(
-                        "batch %s: past its completion window (expires_at %d)", job.batch.id, job.batch.expires_at
+                        "batch %s: past its completion window %s(expires_at %d)", batch.id, where, batch.expires_at
                     )
+                if job is None:
+                    self._start(batch)
+                elif job.stop is None:
                     self._stop(job, "expire")
-                elif job.batch.status == "in_progress" and job.stop is None:
-                    logger.info("batch %s: %s", job.batch.id, job.progress.line(job.batch.total))
+            for job in self._jobs.values():
+                if job.batch.status == "in_progress" and job.stop is None:
+                    state = job.progress.line(job.batch.total)
+                    if job.engine_down is not None:
+                        state = f"{state}; waiting for the engine ({job.engine_down})"
+                    logger.info("batch %s: %s", job.batch.id, state)
 
 
 class _ResultFiles:

@@ -41,19 +41,21 @@ class BatchesService:
                 param="input_file_id",
                 code="invalid_value",
             )
-        active = len(self.store.unfinished())
-        if active >= self.settings.max_active_batches:
+        if not self.runner.slot_free() and (queued := self.runner.queued()) >= self.settings.max_queued_batches:
             raise APIError(
                 429,
-                f"This server already has {active} unfinished batches, its limit (--max-active-batches "
-                f"{self.settings.max_active_batches}): wait for one to finish or cancel one.",
+                f"This server already has {queued} batches queued for a runner slot, its limit "
+                f"(--max-queued-batches {self.settings.max_queued_batches}), and runs "
+                f"{self.settings.max_active_batches} at once (--max-active-batches): wait for one to finish or "
+                "cancel one.",
                 code="too_many_batches",
             )
         window_s = COMPLETION_WINDOWS[req.completion_window]
+        expires_s = None if req.output_expires_after is None else req.output_expires_after.seconds
         batch = self.store.create(
-            req.endpoint, req.input_file_id, req.completion_window, req.metadata, self.runner.now(), window_s
+            req.endpoint, req.input_file_id, req.completion_window, req.metadata, self.runner.now(), window_s, expires_s
         )
-        self.runner.start(batch)
+        self.runner.submit(batch)
         return batch.body()
 
     def retrieve(self, batch_id: str) -> dict[str, Any]:
@@ -73,7 +75,8 @@ class BatchesService:
         return list_page(data, has_more)
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
-        """`cancelling` at once; the runner aborts what is in flight and ends the batch `cancelled`."""
+        """`cancelling` at once; the runner aborts what is in flight and ends the batch `cancelled` (a queued
+        batch at once)."""
         batch = self.store.get(batch_id)
         if batch is None:
             raise batch_not_found(batch_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS batches (
     output_file_id TEXT NOT NULL,
     error_file_id TEXT NOT NULL,
     output_bytes INTEGER NOT NULL DEFAULT 0,
-    error_bytes INTEGER NOT NULL DEFAULT 0
+    error_bytes INTEGER NOT NULL DEFAULT 0,
+    output_expires_s INTEGER
 );
 CREATE INDEX IF NOT EXISTS batches_by_seq ON batches (seq);
 CREATE INDEX IF NOT EXISTS batches_by_status ON batches (status);
@@ -83,6 +84,7 @@ class Batch:
     error_file_id: str
     output_bytes: int
     error_bytes: int
+    output_expires_s: int | None  # the output and error files expire this long after they are created
 
     @property
     def done(self) -> int:
@@ -116,15 +118,25 @@ class BatchStore:
     def __init__(self, db: Database) -> None:
         self.db = db
         db.script(SCHEMA)
+        columns = [row[1] for row in db.all("PRAGMA table_info(batches)")]
+        if "output_expires_s" not in columns:  # a database written before output_expires_after
+            db.execute("ALTER TABLE batches ADD COLUMN output_expires_s INTEGER")
 
     def create(
-        self, endpoint: str, input_file_id: str, window: str, metadata: dict[str, str] | None, now: int, window_s: int
+        self,
+        endpoint: str,
+        input_file_id: str,
+        window: str,
+        metadata: dict[str, str] | None,
+        now: int,
+        window_s: int,
+        output_expires_s: int | None,
     ) -> Batch:
         batch_id = f"batch_{uuid.uuid4().hex}"
         self.db.execute(
             "INSERT INTO batches (id, seq, status, endpoint, input_file_id, completion_window, metadata, created_at, "
-            "expires_at, output_file_id, error_file_id) "
-            "VALUES (?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM batches), 'validating', ?, ?, ?, ?, ?, ?, ?, ?)",
+            "expires_at, output_file_id, error_file_id, output_expires_s) "
+            "VALUES (?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM batches), 'validating', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             batch_id,
             endpoint,
             input_file_id,
@@ -134,6 +146,7 @@ class BatchStore:
             now + window_s,
             new_file_id(),
             new_file_id(),
+            output_expires_s,
         )
         batch = self.get(batch_id)
         assert batch is not None
@@ -160,6 +173,40 @@ class BatchStore:
     def unfinished(self) -> list[Batch]:
         marks = ", ".join("?" * len(TERMINAL))
         rows = self.db.all(f"SELECT {_COLUMNS} FROM batches WHERE status NOT IN ({marks}) ORDER BY seq", *TERMINAL)
+        return [Batch(*row) for row in rows]
+
+    def next_queued(self, running: Collection[str], limit: int) -> list[Batch]:
+        """Up to `limit` unfinished batches not in `running`, in the order they get a runner slot: those a
+        previous server had started (past validating) first, then the others oldest first (FIFO)."""
+        terminal, others = ", ".join("?" * len(TERMINAL)), ", ".join("?" * len(running))
+        rows = self.db.all(
+            f"SELECT {_COLUMNS} FROM batches WHERE status NOT IN ({terminal}) AND id NOT IN ({others}) "
+            "ORDER BY status = 'validating', seq LIMIT ?",
+            *TERMINAL,
+            *running,
+            limit,
+        )
+        return [Batch(*row) for row in rows]
+
+    def count_queued(self, running: Collection[str]) -> int:
+        """How many unfinished batches are not in `running` (they wait for a runner slot)."""
+        terminal, others = ", ".join("?" * len(TERMINAL)), ", ".join("?" * len(running))
+        row = self.db.one(
+            f"SELECT COUNT(*) FROM batches WHERE status NOT IN ({terminal}) AND id NOT IN ({others})",
+            *TERMINAL,
+            *running,
+        )
+        assert row is not None
+        return row[0]
+
+    def past_window(self, now: int) -> list[Batch]:
+        """The unfinished batches whose completion window has ended by `now`."""
+        marks = ", ".join("?" * len(TERMINAL))
+        rows = self.db.all(
+            f"SELECT {_COLUMNS} FROM batches WHERE status NOT IN ({marks}) AND expires_at <= ? ORDER BY seq",
+            *TERMINAL,
+            now,
+        )
         return [Batch(*row) for row in rows]
 
     def reading(self, file_id: str) -> str | None:

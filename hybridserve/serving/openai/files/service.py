@@ -1,7 +1,10 @@
-"""/v1/files: upload (multipart, streamed to disk), list, retrieve, content, delete."""
+"""/v1/files: upload (multipart, streamed to disk; optional `expires_after`), list, retrieve, content, delete,
+and the sweep that deletes expired files."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -9,10 +12,12 @@ from starlette.requests import Request
 from starlette.responses import FileResponse
 
 from hybridserve.serving.openai.errors import APIError
+from hybridserve.serving.openai.files.expiry import form_expiry
 from hybridserve.serving.openai.files.store import FileStore, StoredFile, new_file_id
 from hybridserve.serving.openai.files.upload import receive_upload
 from hybridserve.serving.openai.protocol import list_page
 
+logger = logging.getLogger(__name__)
 PURPOSES = ("batch", "user_data")
 
 
@@ -51,7 +56,9 @@ class FilesService:
                     param="purpose",
                     code="invalid_value",
                 )
-            return self.store.commit_upload(file_id, form.filename, purpose).body()
+            expiry = form_expiry(form.fields)
+            seconds = None if expiry is None else expiry.seconds
+            return self.store.commit_upload(file_id, form.filename, purpose, seconds).body()
         finally:
             partial.unlink(missing_ok=True)
 
@@ -94,3 +101,10 @@ class FilesService:
         if not self.store.delete(file_id):
             raise file_not_found(file_id)
         return {"id": file_id, "object": "file", "deleted": True}
+
+    async def sweep(self, interval_s: float) -> None:
+        """Every `interval_s`, deletes the files past their `expires_at` (those no unfinished batch reads)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if deleted := self.store.delete_expired(self.in_use):
+                logger.info("deleted %d expired files: %s", len(deleted), ", ".join(deleted))
