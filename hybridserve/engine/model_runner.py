@@ -107,6 +107,11 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) in %.1fs", hf_dir, self.device, self.dtype, time.perf_counter() - t0)
 
         self.layout = CacheLayout(model.cache_spec(config.block_size, self.dtype))
+        if config.speculative_config is not None and self.layout.state_specs:
+            raise ValueError(
+                f"speculative_config: {hf_dir} has layers with recurrent state ({type(model).__name__}), and "
+                "speculative decoding cannot yet roll a rejected draft back out of that state; serve it without"
+            )
         self.num_blocks = config.num_kv_blocks or self.layout.num_blocks_for(config.kv_cache_memory_bytes)
         if self.num_blocks < 1:
             raise ValueError(
@@ -214,14 +219,23 @@ class ModelRunner:
             table = self.requests[s.request_id].block_ids
             start, n = s.start, s.num_tokens
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            (decode_states if n == 1 else prefill_states).append(s.state_slot)
             if n == 1:
+                decode_states.append(s.state_slot)
                 decode_rows.append(offset)
                 decode_tables.append(table[: -(-(start + 1) // bs)])
                 decode_lens.append(start + 1)
+            elif s.num_draft:
+                # A decode with drafts: a decode row per position, each seeing the keys up to its own (the step
+                # writes every key first). No recurrent state: such models take no drafts.
+                for p in range(start, start + n):
+                    decode_rows.append(offset + p - start)
+                    decode_tables.append(table[: -(-(p + 1) // bs)])
+                    decode_lens.append(p + 1)
             elif start == 0:
+                prefill_states.append(s.state_slot)
                 prefills.append(PrefillChunk(offset, offset + n, 0, None, None))
             else:
+                prefill_states.append(s.state_slot)
                 length = start + n
                 used = table[: -(-length // bs)]
                 q_pos = torch.arange(start, length, device=dev).unsqueeze(1)
@@ -286,8 +300,10 @@ class ModelRunner:
     ) -> dict[str, SampleResult]:
         """The next token of every request that samples in `plan`, from the hidden states `forward` returned;
         `mask` limits the constrained rows (rows in the order of plan.sampling_ids) to their grammar. A request
-        that asked for prompt logprobs gets them with its first token."""
+        that asked for prompt logprobs gets them with its first token. A request with draft tokens is sampled at
+        each of their positions too, and its result carries the drafts the sampler accepted."""
         rows: list[int] = []
+        drafts: dict[str, list[int]] = {}
         offset = 0
         for s in plan.scheduled:
             prompt = self.requests[s.request_id].prompt_logprobs
@@ -296,15 +312,22 @@ class ModelRunner:
                 prompt.add(chunk, s.start + picked.start, self.model.compute_logits, self.vocab_size)
             offset += s.num_tokens
             if s.samples:
-                rows.append(offset - 1)
+                rows.extend(range(offset - 1 - s.num_draft, offset))
+                if s.num_draft:
+                    drafts[s.request_id] = s.token_ids[-s.num_draft :]
         if not rows:
             return {}
         ids = plan.sampling_ids
         requests = [self.requests[rid] for rid in ids]
         states = [req.sampling for req in requests]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        results = self.sampler(logits, states, mask)
+        if drafts:
+            results = self.sampler.verify(logits, states, [drafts.get(rid, []) for rid in ids], mask)
+        else:
+            results = self.sampler(logits, states, mask)
         for i, (req, result) in enumerate(zip(requests, results, strict=True)):
+            if result.accepted:
+                req.sampling.output_token_ids.extend(a.token_id for a in result.accepted)
             req.sampling.output_token_ids.append(result.token_id)
             if req.prompt_logprobs is not None and (taken := req.prompt_logprobs.take()) is not None:
                 results[i] = dataclasses.replace(result, prompt_logprobs=taken)
