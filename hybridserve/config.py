@@ -169,8 +169,8 @@ class EngineConfig:
         None,
         'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
         '"prompt_lookup_min": 1} drafts tokens by looking the request\'s last tokens up earlier in its prompt and '
-        "output, and verifies them in one forward (lossless; not for models with recurrent state, nor requests with "
-        "structured output); a mapping in a --config file or the LLM API; default off",
+        "output, and verifies them in one forward (lossless; requests with structured output take no drafts); a "
+        "mapping in a --config file or the LLM API; default off",
         type=parse_speculative_config,
     )
     seed: int = setting(0, "engine random seed")

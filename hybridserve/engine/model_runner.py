@@ -18,7 +18,7 @@ import torch
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.state_tensors import StateTensors
-from hybridserve.engine.plan import SchedulerOutput
+from hybridserve.engine.plan import ScheduledRequest, SchedulerOutput
 from hybridserve.engine.prompt_logprobs import PromptLogprobs
 from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
 from hybridserve.engine.structured_output import TokenMask
@@ -107,11 +107,6 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) in %.1fs", hf_dir, self.device, self.dtype, time.perf_counter() - t0)
 
         self.layout = CacheLayout(model.cache_spec(config.block_size, self.dtype))
-        if config.speculative_config is not None and self.layout.state_specs:
-            raise ValueError(
-                f"speculative_config: {hf_dir} has layers with recurrent state ({type(model).__name__}), and "
-                "speculative decoding cannot yet roll a rejected draft back out of that state; serve it without"
-            )
         self.num_blocks = config.num_kv_blocks or self.layout.num_blocks_for(config.kv_cache_memory_bytes)
         if self.num_blocks < 1:
             raise ValueError(
@@ -134,7 +129,12 @@ class ModelRunner:
             if config.enable_prefix_caching:
                 self.num_state_snapshots = slots if config.num_state_snapshots is None else config.num_state_snapshots
             self.state_tensors = StateTensors(
-                self.layout.state_specs, slots, self.num_state_snapshots, self.device, zeroed
+                self.layout.state_specs,
+                slots,
+                self.num_state_snapshots,
+                self.device,
+                zeroed,
+                backups=config.speculative_config is not None,
             )
             states = iter(self.state_tensors.slots)
             logger.info("recurrent state: %d slots of %.2f MiB", slots, self.layout.bytes_per_state_slot / 1024**2)
@@ -224,9 +224,9 @@ class ModelRunner:
                 decode_rows.append(offset)
                 decode_tables.append(table[: -(-(start + 1) // bs)])
                 decode_lens.append(start + 1)
-            elif s.num_draft:
+            elif s.num_draft and self.state_tensors is None:
                 # A decode with drafts: a decode row per position, each seeing the keys up to its own (the step
-                # writes every key first). No recurrent state: such models take no drafts.
+                # writes every key first). With recurrent state it is a chunk instead: a slot per decode row.
                 for p in range(start, start + n):
                     decode_rows.append(offset + p - start)
                     decode_tables.append(table[: -(-(p + 1) // bs)])
@@ -272,6 +272,9 @@ class ModelRunner:
                 states.zero(slot)
             for snapshot, slot in plan.restore_snapshots:
                 states.restore(snapshot, slot)
+            for s in plan.scheduled:
+                if s.num_draft:  # the state before the draft, to go back to if it is rejected
+                    states.back_up(s.state_slot)
         elif plan.zero_slots or plan.restore_snapshots or plan.save_snapshots:
             raise RuntimeError("the plan has recurrent-state operations but this model keeps no recurrent state")
         ids: list[int] = []
@@ -331,7 +334,26 @@ class ModelRunner:
             req.sampling.output_token_ids.append(result.token_id)
             if req.prompt_logprobs is not None and (taken := req.prompt_logprobs.take()) is not None:
                 results[i] = dataclasses.replace(result, prompt_logprobs=taken)
-        return dict(zip(ids, results, strict=True))
+        sampled = dict(zip(ids, results, strict=True))
+        if drafts and self.state_tensors is not None:
+            self._roll_back_rejected(plan, sampled)
+        return sampled
+
+    def _roll_back_rejected(self, plan: SchedulerOutput, sampled: dict[str, SampleResult]) -> None:
+        """Recurrent state went through every draft token: where some were rejected, the state goes back to
+        its backup and the tokens kept (the last known one and the drafts accepted) are run again, so the state
+        is that after them alone. Their KV is written again, the same; the hidden states are not needed."""
+        assert self.state_tensors is not None
+        again: list[ScheduledRequest] = []
+        for s in plan.scheduled:
+            kept = len(sampled[s.request_id].accepted) if s.num_draft else 0
+            if kept < s.num_draft:
+                self.state_tensors.roll_back(s.state_slot)
+                again.append(
+                    ScheduledRequest(s.request_id, s.start, s.token_ids[: kept + 1], [], False, False, s.state_slot)
+                )
+        if again:
+            self.forward(SchedulerOutput(again))
 
 
 @dataclass(eq=False)

@@ -208,6 +208,8 @@ class Scheduler:
         draft)."""
         if req.num_computed_tokens != req.num_tokens - 1 or not req.output_token_ids or req.grammar is not None:
             return []
+        if self.kv.snapshots is not None and req.num_tokens % self.kv.block_size == 0:
+            return []  # a step ending at a block boundary snapshots the recurrent state there: no draft past it
         room = min(proposer.num_speculative_tokens, budget - 1, req.max_output_tokens - len(req.output_token_ids) - 1)
         return proposer.propose(req.all_token_ids, room)
 
