@@ -15,6 +15,7 @@ from hybridserve.engine.protocol import EngineCoreRequest, FinishReason, Schedul
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
 from hybridserve.engine.scheduler import Scheduler
+from hybridserve.engine.structured_output import TokenMask
 from hybridserve.sampling_params import InvalidParameter, SamplingParams
 from hybridserve.serving.cli import parse_args
 from hybridserve.serving.flags import model_configs
@@ -250,6 +251,21 @@ def test_drafts_see_the_tokens_before_them_as_output():
     state = _state(SamplingParams(temperature=0.0, presence_penalty=2.0))
     [result] = sampler.verify(logits, [state], [[1]])
     assert ([a.token_id for a in result.accepted], result.token_id) == ([1], 2)  # 1 is penalised once it is output
+
+
+def test_grammar_mask_rows_follow_their_requests():
+    """A constrained request (no draft) next to one with a draft: its mask row lands on its own logits row."""
+    sampler = Sampler(64)
+    logits = torch.zeros(3, 64)
+    logits[:, 9] = 5.0  # the unconstrained favourite everywhere
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 3  # request 0 may only say 3
+    mask = TokenMask(bitmask, [0])
+    constrained, drafted = sampler.verify(logits, [_state(GREEDY), _state(GREEDY)], [[], [9]], mask)
+    assert (constrained.token_id, constrained.accepted) == (3, ())
+    assert ([a.token_id for a in drafted.accepted], drafted.token_id) == ([9], 9)
+    with pytest.raises(ValueError, match="grammar-constrained"):
+        sampler.verify(logits, [_state(GREEDY), _state(GREEDY)], [[9], []], mask)
 
 
 # --- the engine: exact token ids against runs without speculative decoding --------------------------------------
