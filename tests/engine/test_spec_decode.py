@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.structured_output import TokenMask
+from hybridserve.engine.throughput_log import ThroughputLog
 from hybridserve.sampling_params import InvalidParameter, SamplingParams
 from hybridserve.serving.cli import parse_args
 from hybridserve.serving.flags import model_configs
@@ -400,3 +402,17 @@ def test_prometheus_counts_drafted_and_accepted_tokens():
     text = metrics.render()[0].decode()
     for name, value in [("num_drafts", 3), ("num_draft_tokens", 12), ("num_accepted_tokens", 7)]:
         assert f'hybridserve:spec_decode_{name}_total{{model_name="m",worker="w0"}} {value}.0' in text
+
+
+def test_acceptance_log_line(caplog):
+    log = ThroughputLog(interval_s=0.0)
+    log.record(5, 3, 0.01)
+    stats = SchedulerStats(spec_decode_num_drafts=1, spec_decode_num_draft_tokens=4, spec_decode_num_accepted_tokens=2)
+    with caplog.at_level(logging.INFO, logger="hybridserve.engine"):
+        log.maybe_log(stats)
+        log.record(1, 1, 0.01)
+        log.maybe_log(stats)  # nothing drafted since the last line: no acceptance line
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("speculative decoding")]
+    assert lines == [
+        "speculative decoding: acceptance 50.0% (2 of 4 draft tokens), 3.00 tokens per verification (1 verifications)"
+    ]
