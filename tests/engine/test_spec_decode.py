@@ -11,6 +11,7 @@ import torch
 from hybridserve.config import EngineConfig, SpeculativeConfig, parse_speculative_config
 from hybridserve.engine.cache.manager import KVCacheManager
 from hybridserve.engine.drafting import NgramProposer
+from hybridserve.engine.fanout import expand
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.protocol import EngineCoreRequest, FinishReason, SchedulerStats, WorkerStatus
 from hybridserve.engine.request import Request
@@ -18,7 +19,7 @@ from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.structured_output import TokenMask
 from hybridserve.engine.throughput_log import ThroughputLog
-from hybridserve.sampling_params import InvalidParameter, SamplingParams
+from hybridserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutput
 from hybridserve.serving.cli import parse_args
 from hybridserve.serving.flags import model_configs
 from hybridserve.serving.metrics import ServingMetrics
@@ -355,6 +356,32 @@ def test_seeded_sampling_with_penalties_and_n(base, spec):
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, n=2, max_tokens=24, repetition_penalty=1.1)
     prompts = _prompts(base, [TEXT])
     assert _ids(_run(spec, prompts, params)) == _ids(_run(base, prompts, params))
+
+
+def _core_ids(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    """Requests of different parameters in one batch, straight through the engine core: ids per request."""
+    ids: dict[str, list[int]] = {}
+    for i, (prompt, params) in enumerate(requests):
+        for child in expand(f"mixed-{i}", prompt, params, llm.eos_token_ids, llm.core.max_model_len):
+            llm.core.add_request(child)
+            ids[child.request_id] = []
+    while llm.core.has_work():
+        for out in llm.core.step().outputs:
+            if out.request_id in ids:  # not an earlier test's abort, confirmed late
+                assert out.error is None, out.error
+                ids[out.request_id].extend(out.new_token_ids)
+    llm.core.check_integrity()
+    return ids
+
+
+def test_structured_output_beside_drafts(base, spec):
+    """A grammar-constrained request takes no drafts; batched with one that does, both keep their tokens."""
+    json_params = SamplingParams(temperature=0.0, max_tokens=24, structured_output=StructuredOutput(json_object=True))
+    [copy, ask] = _prompts(base, [TEXT, "a JSON object about a fox"])
+    requests = [(copy, GREEDY), (ask, json_params)]
+    before = _accepted(spec)
+    assert _core_ids(spec, requests) == _core_ids(base, requests)
+    assert _accepted(spec) > before
 
 
 @pytest.fixture(scope="module")
