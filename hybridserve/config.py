@@ -4,8 +4,9 @@ Each field is declared with `setting`, which also describes its `hybridserve ser
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hybridserve.sampling_params import InvalidParameter
@@ -45,6 +46,65 @@ def setting(default: Any, help: str, **flag: Any) -> Any:
     help; `flag` holds argparse options the field's type does not imply (choices, a `type` that parses text,
     `positional=True`, and for a bool `env`: the variable that, set to 1 or 0, gives the flag its default)."""
     return field(default=default, metadata={"help": help, **flag})
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `--speculative-config` keys): each decoding request proposes up to
+    `num_speculative_tokens` tokens by prompt lookup and the model verifies them in the same step."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4  # the longest suffix of the request's tokens looked up earlier in them
+    prompt_lookup_min: int = 1  # the shortest, tried last
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidParameter(
+                "speculative_config",
+                f"speculative_config method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidParameter(
+                    "speculative_config", f"speculative_config {name} must be a positive integer, got {value!r}"
+                )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidParameter(
+                "speculative_config",
+                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                f"({self.prompt_lookup_max})",
+            )
+
+    @classmethod
+    def from_dict(cls, values: object) -> SpeculativeConfig:
+        if not isinstance(values, dict):
+            raise InvalidParameter("speculative_config", f"speculative_config must be a JSON object, got {values!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in values if k not in known)
+        if unknown:
+            raise InvalidParameter(
+                "speculative_config", f"speculative_config has unknown keys {unknown} (known: {sorted(known)})"
+            )
+        missing = [name for name in ("method", "num_speculative_tokens") if name not in values]
+        if missing:
+            raise InvalidParameter("speculative_config", f"speculative_config needs {missing}, got {values!r}")
+        return cls(**values)
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """'{"method": "ngram", "num_speculative_tokens": 4}' → SpeculativeConfig."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidParameter(
+            "speculative_config", f"speculative_config is not valid JSON ({exc}): {text!r}"
+        ) from None
+    return SpeculativeConfig.from_dict(values)
 
 
 @dataclass(frozen=True)
@@ -105,6 +165,14 @@ class EngineConfig:
         "on CPU, run decode attention and fused element-wise ops as C kernels built at start-up with the system C "
         "compiler ($CC, default cc); PyTorch ops if they cannot be built, and always on CUDA",
     )
+    speculative_config: SpeculativeConfig | None = setting(
+        None,
+        'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 1} drafts tokens by looking the request\'s last tokens up earlier in its prompt and '
+        "output, and verifies them in one forward (lossless; requests with structured output take no drafts); a "
+        "mapping in a --config file or the LLM API; default off",
+        type=parse_speculative_config,
+    )
     seed: int = setting(0, "engine random seed")
     num_threads: int | None = setting(
         None, "CPU threads of each engine worker (default: the machine's cores, divided among --num-workers)"
@@ -144,6 +212,8 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):  # a --config file's or the LLM API's mapping
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         if self.dtype not in DTYPES:
             raise InvalidParameter("dtype", f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.generation_config not in GENERATION_CONFIGS:

@@ -230,7 +230,8 @@ class EngineCore:
         outputs = self.scheduler.update(plan, sampled)
         if self.connector is not None:
             self.connector.hold(outputs, time.monotonic())
-        self.throughput.record(plan.num_tokens, len(sampled), time.perf_counter() - start)
+        generated = sum(len(out.new_token_ids) for out in outputs)  # several per request with speculative decoding
+        self.throughput.record(plan.num_tokens, generated, time.perf_counter() - start)
         return started + outputs
 
     def _grammar_mask(self, plan: SchedulerOutput) -> TokenMask | None:

@@ -52,6 +52,8 @@ class LLM:
         logprobs: dict[str, list[Logprob]] = {rid: [] for rid in owner}
         while not all(choices.done for _, choices in requests):
             for out in self.client.step().outputs:
+                if out.request_id not in owner:  # an earlier call's request a stop string ended: its abort
+                    continue
                 final, choices = owner[out.request_id]
                 update = choices.feed(out)
                 if update is None:

@@ -18,7 +18,7 @@ import torch
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.state_tensors import StateTensors
-from hybridserve.engine.plan import SchedulerOutput
+from hybridserve.engine.plan import ScheduledRequest, SchedulerOutput
 from hybridserve.engine.prompt_logprobs import PromptLogprobs
 from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
 from hybridserve.engine.structured_output import TokenMask
@@ -129,7 +129,12 @@ class ModelRunner:
             if config.enable_prefix_caching:
                 self.num_state_snapshots = slots if config.num_state_snapshots is None else config.num_state_snapshots
             self.state_tensors = StateTensors(
-                self.layout.state_specs, slots, self.num_state_snapshots, self.device, zeroed
+                self.layout.state_specs,
+                slots,
+                self.num_state_snapshots,
+                self.device,
+                zeroed,
+                backups=config.speculative_config is not None,
             )
             states = iter(self.state_tensors.slots)
             logger.info("recurrent state: %d slots of %.2f MiB", slots, self.layout.bytes_per_state_slot / 1024**2)
@@ -214,14 +219,23 @@ class ModelRunner:
             table = self.requests[s.request_id].block_ids
             start, n = s.start, s.num_tokens
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            (decode_states if n == 1 else prefill_states).append(s.state_slot)
             if n == 1:
+                decode_states.append(s.state_slot)
                 decode_rows.append(offset)
                 decode_tables.append(table[: -(-(start + 1) // bs)])
                 decode_lens.append(start + 1)
+            elif s.num_draft and self.state_tensors is None:
+                # A decode with drafts: a decode row per position, each seeing the keys up to its own (the step
+                # writes every key first). With recurrent state it is a chunk instead: a slot per decode row.
+                for p in range(start, start + n):
+                    decode_rows.append(offset + p - start)
+                    decode_tables.append(table[: -(-(p + 1) // bs)])
+                    decode_lens.append(p + 1)
             elif start == 0:
+                prefill_states.append(s.state_slot)
                 prefills.append(PrefillChunk(offset, offset + n, 0, None, None))
             else:
+                prefill_states.append(s.state_slot)
                 length = start + n
                 used = table[: -(-length // bs)]
                 q_pos = torch.arange(start, length, device=dev).unsqueeze(1)
@@ -258,6 +272,9 @@ class ModelRunner:
                 states.zero(slot)
             for snapshot, slot in plan.restore_snapshots:
                 states.restore(snapshot, slot)
+            for s in plan.scheduled:
+                if s.num_draft:  # the state before the draft, to go back to if it is rejected
+                    states.back_up(s.state_slot)
         elif plan.zero_slots or plan.restore_snapshots or plan.save_snapshots:
             raise RuntimeError("the plan has recurrent-state operations but this model keeps no recurrent state")
         ids: list[int] = []
@@ -286,8 +303,10 @@ class ModelRunner:
     ) -> dict[str, SampleResult]:
         """The next token of every request that samples in `plan`, from the hidden states `forward` returned;
         `mask` limits the constrained rows (rows in the order of plan.sampling_ids) to their grammar. A request
-        that asked for prompt logprobs gets them with its first token."""
+        that asked for prompt logprobs gets them with its first token. A request with draft tokens is sampled at
+        each of their positions too, and its result carries the drafts the sampler accepted."""
         rows: list[int] = []
+        drafts: dict[str, list[int]] = {}
         offset = 0
         for s in plan.scheduled:
             prompt = self.requests[s.request_id].prompt_logprobs
@@ -296,19 +315,45 @@ class ModelRunner:
                 prompt.add(chunk, s.start + picked.start, self.model.compute_logits, self.vocab_size)
             offset += s.num_tokens
             if s.samples:
-                rows.append(offset - 1)
+                rows.extend(range(offset - 1 - s.num_draft, offset))
+                if s.num_draft:
+                    drafts[s.request_id] = s.token_ids[-s.num_draft :]
         if not rows:
             return {}
         ids = plan.sampling_ids
         requests = [self.requests[rid] for rid in ids]
         states = [req.sampling for req in requests]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        results = self.sampler(logits, states, mask)
+        if drafts:
+            results = self.sampler.verify(logits, states, [drafts.get(rid, []) for rid in ids], mask)
+        else:
+            results = self.sampler(logits, states, mask)
         for i, (req, result) in enumerate(zip(requests, results, strict=True)):
+            if result.accepted:
+                req.sampling.output_token_ids.extend(a.token_id for a in result.accepted)
             req.sampling.output_token_ids.append(result.token_id)
             if req.prompt_logprobs is not None and (taken := req.prompt_logprobs.take()) is not None:
                 results[i] = dataclasses.replace(result, prompt_logprobs=taken)
-        return dict(zip(ids, results, strict=True))
+        sampled = dict(zip(ids, results, strict=True))
+        if drafts and self.state_tensors is not None:
+            self._roll_back_rejected(plan, sampled)
+        return sampled
+
+    def _roll_back_rejected(self, plan: SchedulerOutput, sampled: dict[str, SampleResult]) -> None:
+        """Recurrent state went through every draft token: where some were rejected, the state goes back to
+        its backup and the tokens kept (the last known one and the drafts accepted) are run again, so the state
+        is that after them alone. Their KV is written again, the same; the hidden states are not needed."""
+        assert self.state_tensors is not None
+        again: list[ScheduledRequest] = []
+        for s in plan.scheduled:
+            kept = len(sampled[s.request_id].accepted) if s.num_draft else 0
+            if kept < s.num_draft:
+                self.state_tensors.roll_back(s.state_slot)
+                again.append(
+                    ScheduledRequest(s.request_id, s.start, s.token_ids[: kept + 1], [], False, False, s.state_slot)
+                )
+        if again:
+            self.forward(SchedulerOutput(again))
 
 
 @dataclass(eq=False)

@@ -56,9 +56,6 @@ class SequenceOutput:
             return None
         ids = out.new_token_ids
         final = out.finish_reason is not None
-        self._ids.extend(ids)
-        if self._params.logprobs is not None:
-            self._logprobs.extend(self._convert(lp) for lp in out.new_logprobs or ())
         if out.prompt_logprobs is not None:
             self._prompt_logprobs = [None, *map(self._convert, out.prompt_logprobs)]
         text_ids = ids[:-1] if self._ends_on_stop_token(out) else ids
@@ -66,8 +63,15 @@ class SequenceOutput:
         unchecked = max(0, min(len(text_ids), self._params.min_tokens - self._num_output_tokens))
         early = self._detokenizer.add(text_ids[:unchecked]) if unchecked else ""
         self._text += early
+        checked = text_ids[unchecked:]
+        if len(checked) > 1 and self._params.stop:  # several tokens at once (speculative decoding)
+            ids = ids[: unchecked + self._add_until_stop(checked)]
+        else:
+            self._held += self._detokenizer.add(checked)
+        self._ids.extend(ids)
+        if self._params.logprobs is not None:
+            self._logprobs.extend(self._convert(lp) for lp in (out.new_logprobs or [])[: len(ids)])
         self._num_output_tokens += len(ids)
-        self._held += self._detokenizer.add(text_ids[unchecked:])
         if final:
             self._held += self._detokenizer.flush()
         delta = early + self._release(final)
@@ -77,6 +81,15 @@ class SequenceOutput:
         if not delta and not self.finished:
             return None
         return self._report(delta, out.error, out.unavailable)
+
+    def _add_until_stop(self, token_ids: list[int]) -> int:
+        """Detokenize `token_ids` one by one up to the first that completes a stop string; returns how many were
+        taken. The tokens after it are dropped, as a sequence decoded one token a step never produces them."""
+        for i, token_id in enumerate(token_ids):
+            self._held += self._detokenizer.add([token_id])
+            if self._find_stop() is not None:
+                return i + 1
+        return len(token_ids)
 
     def _ends_on_stop_token(self, out: EngineCoreOutput) -> bool:
         """The engine stopped on EOS or a stop token id, whose text is left out unless asked for."""

@@ -9,6 +9,9 @@ is scheduled and when it resumes after preemption (`full_table`), as the blocks 
 State operations are on slots of the recurrent-state pool and of its snapshot pool (models with
 linear-attention layers): before the step a slot is zeroed or overwritten by a snapshot (never both), and after
 the step slots are copied into snapshots. A snapshot saved after this step is findable only from the next plan on.
+
+With speculative decoding a decoding request's entry carries draft tokens after its last known token; the runner
+samples at every one of those positions and the scheduler keeps the run the sampler accepted.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ class ScheduledRequest(msgspec.Struct, frozen=True, array_like=True):
     full_table: bool
     samples: bool  # the step computes the last known token: a new token is sampled from its logits
     state_slot: int = -1  # models with linear-attention layers: the request's recurrent-state slot
+    # Speculative decoding: the last num_draft of token_ids are proposed, not known; the step scores each
+    # position, and the sampler keeps the proposals that match what it samples there.
+    num_draft: int = 0
 
     @property
     def num_tokens(self) -> int:

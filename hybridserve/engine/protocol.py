@@ -87,6 +87,9 @@ class SchedulerStats(msgspec.Struct, frozen=True, array_like=True):
     kv_pulled_state_bytes: int = 0  # bytes of recurrent state read since start
     kv_pull_kv_seconds: float = 0.0  # the KV parts' read times, summed
     kv_pull_state_seconds: float = 0.0  # the state parts' read times, summed
+    spec_decode_num_drafts: int = 0  # speculative decoding: steps in which a request verified a draft
+    spec_decode_num_draft_tokens: int = 0  # draft tokens verified since start
+    spec_decode_num_accepted_tokens: int = 0  # of which accepted
 
 
 class EngineCoreOutputs(msgspec.Struct, frozen=True, array_like=True, tag=True):

@@ -6,10 +6,18 @@ take the argmax; random rows apply temperature, top-k, top-p and min-p and draw 
 (argmax of probs / Exp(1) noise). A seeded row draws its noise from its own generator, so its tokens
 depend only on its seed and its logits, never on the rest of the batch. Logprobs stay those of the raw
 model distribution for constrained rows too, so a listed alternative may be a token the grammar forbade.
+
+Speculative decoding (`Sampler.verify`) samples every position of a request's last known token and its draft
+tokens as plain decoding would, and keeps each draft while it equals the token sampled at its position. For a
+random row the exponential race accepts draft t with probability p(t) and, where it rejects t, yields a token
+drawn from p with t's mass removed, renormalised: exactly rejection sampling of a point-mass draft, so outputs
+keep their distribution; and a seeded request draws one noise row per token it keeps, so its tokens are those
+it samples without drafts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -58,6 +66,13 @@ class SamplingState:
         for _ in range(num_tokens):
             noise.uniform_(generator=self.generator)
 
+    def rewind(self, generator_state: torch.Tensor, num_tokens: int, vocab_size: int) -> None:
+        """Set the generator back to `generator_state`, then past the draws of `num_tokens` tokens."""
+        if self.generator is None:
+            raise RuntimeError("an unseeded request has no generator to rewind")
+        self.generator.set_state(generator_state)
+        self.skip_draws(num_tokens, vocab_size)
+
     @cached_property
     def prompt_ids(self) -> torch.Tensor:
         """The prompt as a CPU int64 tensor, built once (repetition penalty reads it every step)."""
@@ -80,6 +95,9 @@ class SampleResult:
     token_id: int
     logprobs: TokenLogprobs | None  # None unless params.logprobs is not None
     prompt_logprobs: list[TokenLogprobs] | None = None  # with a request's first token, if it asked for them
+    # Speculative decoding: the draft tokens accepted before token_id, in order, each with its logprobs;
+    # token_id is the token sampled where the first draft was rejected, or after the last one.
+    accepted: tuple[SampleResult, ...] = ()
 
 
 class Sampler:
@@ -118,6 +136,50 @@ class Sampler:
             ks = [states[i].params.logprobs or 0 for i in want]
             by_row = dict(zip(want, token_logprobs(raw_logprobs, tokens[want_idx], ks), strict=True))
         return [SampleResult(t, by_row.get(i)) for i, t in enumerate(tokens.tolist())]
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        states: Sequence[SamplingState],
+        drafts: Sequence[list[int]],
+        mask: TokenMask | None = None,
+    ) -> list[SampleResult]:
+        """Speculative decoding. logits: per request (in `states` order) a row for its last known token and one
+        per token of its draft (`drafts`, aligned with `states`; empty for a request without one). Each row is
+        sampled with the drafts before it taken as output (penalties, min_tokens see them); a request's result
+        carries the drafts accepted and the token sampled after them. `mask` (one row per request) may
+        constrain only requests without a draft: a grammar would have to advance over the draft."""
+        rows: list[SamplingState] = []
+        firsts: list[int] = []
+        for state, draft in zip(states, drafts, strict=True):
+            firsts.append(len(rows))
+            rows.append(state)
+            rows.extend(
+                dataclasses.replace(state, output_token_ids=state.output_token_ids + draft[:j])
+                for j in range(1, len(draft) + 1)
+            )
+        if mask is not None:
+            if any(drafts[r] for r in mask.rows):
+                raise ValueError("a grammar-constrained request cannot verify draft tokens")
+            owner = torch.repeat_interleave(torch.arange(len(drafts)), torch.tensor([len(d) + 1 for d in drafts]))
+            mask = TokenMask(
+                mask.bitmask.index_select(0, owner.to(mask.bitmask.device)), [firsts[r] for r in mask.rows]
+            )
+        rewind = {
+            i: s.generator.get_state()
+            for i, (s, draft) in enumerate(zip(states, drafts, strict=True))
+            if draft and s.generator is not None and not s.params.greedy
+        }
+        sampled = self(logits, rows, mask)
+        results = []
+        for i, (first, draft) in enumerate(zip(firsts, drafts, strict=True)):
+            n = 0
+            while n < len(draft) and sampled[first + n].token_id == draft[n]:
+                n += 1
+            results.append(dataclasses.replace(sampled[first + n], accepted=tuple(sampled[first : first + n])))
+            if i in rewind and n < len(draft):  # the rows after the rejection drew noise no token keeps
+                states[i].rewind(rewind[i], n + 1, self.vocab_size)
+        return results
 
 
 def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:

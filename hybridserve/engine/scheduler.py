@@ -22,6 +22,13 @@ HELD: out of the running list, its blocks and state slot kept for the decode wor
 A decode worker's RemotePrefill request is admitted into PULLING (blocks for its prompt and a state slot, no
 step budget) when the transfer gate lets it; the connector reads into them and calls `landed`, and from then on
 it runs like any other request, starting with the first token the prefill worker sampled.
+
+Speculative decoding (`--speculative-config`): a decoding request also takes the tokens its proposer drafts
+(drafting.py) after its last known token, within the step's budget and its output limit, so the runner scores
+them in the same step; a draft never costs a preemption (the request then decodes without one). Update keeps
+the tokens the sampler accepted and moves the request's computed tokens back past the rejected ones: their KV
+slots are overwritten later, and no block holding them becomes findable (blocks are findable only up to the
+known tokens).
 """
 
 from __future__ import annotations
@@ -31,9 +38,10 @@ from collections.abc import Callable, Mapping
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.manager import KVCacheManager
+from hybridserve.engine.drafting import NgramProposer
 from hybridserve.engine.kv_transfer.messages import TransferSource
 from hybridserve.engine.plan import NewRequest, ScheduledRequest, SchedulerOutput
-from hybridserve.engine.protocol import EngineCoreOutput, FinishReason, SchedulerStats
+from hybridserve.engine.protocol import EngineCoreOutput, FinishReason, SchedulerStats, TokenLogprobs
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.sampler import SampleResult
 
@@ -57,6 +65,11 @@ class Scheduler:
         self.pull_gate: Callable[[Request], bool] = lambda req: True  # the connector's room for another read
         self.transfer_agent = ""  # this worker's NIXL agent, named in what it holds for decode workers
         self._introduced: list[NewRequest] = []  # landed since the last plan: the runner meets them next
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.num_drafts = 0  # steps in which a request verified a draft
+        self.num_draft_tokens = 0  # draft tokens verified
+        self.num_accepted_tokens = 0  # of which accepted
 
     def add(self, request: Request) -> None:
         """Queue a new request behind every waiting request of its priority or a lower value."""
@@ -74,6 +87,7 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         new, self._introduced = self._introduced, []
         capped: list[int] = []  # the entries of `scheduled` that took the prefill share, which may get more
+        drafts: dict[str, list[int]] = {}  # speculative decoding: tokens proposed after a request's last one
         preempted = False
         i = 0
         while i < len(self.running):
@@ -81,14 +95,21 @@ class Scheduler:
             if not (budget := self._top_up(scheduled, capped, budget, req.priority)):
                 break
             n = self._chunk(req, req.num_computed_tokens, min(budget, self.prefill_share))
-            while not self.kv.allocate(req, n):
+            draft = [] if self.proposer is None else self._draft(self.proposer, req, budget)
+            while not self.kv.allocate(req, n + len(draft)):
+                if draft:  # no proposal is worth a preemption
+                    draft = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             else:
-                if n == self.prefill_share:
+                if draft:
+                    drafts[req.request_id] = draft
+                    n += len(draft)
+                elif n == self.prefill_share:
                     capped.append(len(scheduled))
                 scheduled.append((req, n))
                 budget -= n
@@ -119,7 +140,7 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
         self._top_up(scheduled, capped, budget)
-        plan = [self._scheduled(req, n) for req, n in scheduled]
+        plan = [self._scheduled(req, n, drafts.get(req.request_id)) for req, n in scheduled]
         ops = self.kv.take_ops()
         finished, self.finished_ids = self.finished_ids, []
         return SchedulerOutput(plan, new, finished, ops.zero, ops.restore, ops.save)
@@ -180,6 +201,18 @@ class Scheduler:
         blocks = self.kv.block_ids(req.request_id)[: -(-prompt // self.kv.block_size)]
         return TransferSource(self.transfer_agent, req.request_id, blocks, slot, prompt, req.num_cached_tokens)
 
+    def _draft(self, proposer: NgramProposer, req: Request, budget: int) -> list[int]:
+        """The tokens proposed after a decoding request's last one: at most what the step's `budget` leaves
+        after that token and one fewer than the request may still produce (the token sampled after an accepted
+        draft is one more). None while it prefills, nor under a grammar (the mask would have to advance over the
+        draft)."""
+        if req.num_computed_tokens != req.num_tokens - 1 or not req.output_token_ids or req.grammar is not None:
+            return []
+        if self.kv.snapshots is not None and req.num_tokens % self.kv.block_size == 0:
+            return []  # a step ending at a block boundary snapshots the recurrent state there: no draft past it
+        room = min(proposer.num_speculative_tokens, budget - 1, req.max_output_tokens - len(req.output_token_ids) - 1)
+        return proposer.propose(req.all_token_ids, room)
+
     def _chunk(self, req: Request, start: int, budget: int) -> int:
         """The next chunk of `req` from `start` within `budget`: at most long_prefill_token_threshold tokens,
         ended at its next snapshot point."""
@@ -207,21 +240,27 @@ class Scheduler:
                 budget -= more - n
         return budget
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
-        """The plan's entry for `n` tokens of `req`, whose blocks are allocated; books its snapshot."""
+    def _scheduled(self, req: Request, n: int, draft: list[int] | None) -> ScheduledRequest:
+        """The plan's entry for `n` tokens of `req` (its `draft` the last of them), whose blocks are allocated;
+        books its snapshot."""
         start = req.num_computed_tokens
         sent = self._blocks_sent.get(req.request_id)
         self._blocks_sent[req.request_id] = self.kv.num_blocks(req.request_id)  # a diff only: not the whole table
         slot = self.kv.state_slot(req.request_id) if self.kv.states is not None else -1
-        self.kv.plan_snapshot(req, start + n)
+        known = start + n - len(draft or ())
+        self.kv.plan_snapshot(req, known)
+        token_ids = req.token_ids_range(start, known)
+        if draft:
+            token_ids += draft
         return ScheduledRequest(
             req.request_id,
             start,
-            req.token_ids_range(start, start + n),
+            token_ids,
             self.kv.block_ids(req.request_id, sent or 0),
             sent is None,
-            start + n == req.num_tokens,
+            known == req.num_tokens,
             slot,
+            len(draft or ()),
         )
 
     def update(self, plan: SchedulerOutput, sampled: Mapping[str, SampleResult]) -> list[EngineCoreOutput]:
@@ -229,6 +268,8 @@ class Scheduler:
         takes its token (a grammar that forbids it fails that request), stops where it should, and reports."""
         for s in plan.scheduled:
             self.requests[s.request_id].num_computed_tokens += s.num_tokens
+        if self.proposer is not None:
+            self._settle_drafts(plan, sampled)
         self.kv.commit_step()
         outputs = []
         for rid in plan.sampling_ids:
@@ -237,24 +278,43 @@ class Scheduler:
                 req.finish(FinishReason.LENGTH)
                 outputs.append(req.output([], prompt_logprobs=result.prompt_logprobs))
                 continue
-            req.output_token_ids.append(result.token_id)
-            if req.grammar is not None and not req.grammar.accept(result.token_id):  # the mask forbids this
-                outputs.append(self.fail(req, f"grammar rejected sampled token {result.token_id}"))
+            new_ids: list[int] = []
+            logprobs: list[TokenLogprobs] | None = None if result.logprobs is None else []
+            stopped = rejected = False
+            for token in (*result.accepted, result):  # a stop ends the run there: later tokens are dropped
+                req.output_token_ids.append(token.token_id)
+                if rejected := req.grammar is not None and not req.grammar.accept(token.token_id):
+                    break  # the mask forbids this
+                new_ids.append(token.token_id)
+                if logprobs is not None and token.logprobs is not None:
+                    logprobs.append(token.logprobs)
+                if stopped := req.check_stop():
+                    break
+            if rejected:
+                outputs.append(self.fail(req, f"grammar rejected sampled token {req.output_token_ids[-1]}"))
                 continue
-            logprobs = None if result.logprobs is None else [result.logprobs]
             prompt_logprobs = result.prompt_logprobs
-            if not req.check_stop() and req.remote_decode and len(req.output_token_ids) == 1:
+            if not stopped and req.remote_decode and len(req.output_token_ids) == 1:
                 source = self._hold(req)
-                outputs.append(
-                    req.output([result.token_id], logprobs, kv_transfer=source, prompt_logprobs=prompt_logprobs)
-                )
+                outputs.append(req.output(new_ids, logprobs, kv_transfer=source, prompt_logprobs=prompt_logprobs))
                 continue
-            outputs.append(req.output([result.token_id], logprobs, prompt_logprobs=prompt_logprobs))
+            outputs.append(req.output(new_ids, logprobs, prompt_logprobs=prompt_logprobs))
         for req in [r for r in self.running if r.status in (RequestStatus.FINISHED, RequestStatus.HELD)]:
             self.running.remove(req)
             if req.status is RequestStatus.FINISHED:
                 self._release(req, seen=True)
         return outputs
+
+    def _settle_drafts(self, plan: SchedulerOutput, sampled: Mapping[str, SampleResult]) -> None:
+        """Speculative decoding: a request's rejected draft tokens are not computed after all (their KV slots
+        are overwritten later); counts what was drafted and accepted."""
+        for s in plan.scheduled:
+            if s.num_draft:
+                accepted = len(sampled[s.request_id].accepted)
+                self.requests[s.request_id].num_computed_tokens -= s.num_draft - accepted
+                self.num_drafts += 1
+                self.num_draft_tokens += s.num_draft
+                self.num_accepted_tokens += accepted
 
     def _run(self, req: Request) -> None:
         """Admit into the running list after every running request of its priority or a lower value."""
@@ -327,4 +387,7 @@ class Scheduler:
             state_snapshot_hits=snapshots.num_restored if snapshots is not None else 0,
             kv_held=len(self.held),
             kv_pulling=len(self.pulling),
+            spec_decode_num_drafts=self.num_drafts,
+            spec_decode_num_draft_tokens=self.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.num_accepted_tokens,
         )

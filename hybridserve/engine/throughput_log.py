@@ -18,6 +18,7 @@ class ThroughputLog:
         self._generated = 0
         self._steps = 0
         self._busy_s = 0.0
+        self._drafted = self._accepted = self._drafts = 0  # speculative decoding's counts at the last line
 
     def record(self, computed_tokens: int, generated_tokens: int, step_s: float) -> None:
         self._computed += computed_tokens
@@ -46,6 +47,22 @@ class ThroughputLog:
             stats.state_snapshot_hits,
             stats.num_preemptions,
         )
+        drafted = stats.spec_decode_num_draft_tokens - self._drafted
+        if drafted:
+            drafts = stats.spec_decode_num_drafts - self._drafts
+            accepted = stats.spec_decode_num_accepted_tokens - self._accepted
+            logger.info(
+                "speculative decoding: acceptance %.1f%% (%d of %d draft tokens), %.2f tokens per verification "
+                "(%d verifications)",
+                100 * accepted / drafted,
+                accepted,
+                drafted,
+                1 + accepted / drafts,
+                drafts,
+            )
+        self._drafts = stats.spec_decode_num_drafts
+        self._drafted = stats.spec_decode_num_draft_tokens
+        self._accepted = stats.spec_decode_num_accepted_tokens
         self._since = now
         self._computed = self._generated = self._steps = 0
         self._busy_s = 0.0

@@ -129,6 +129,12 @@ _ENGINE_METRICS = (
      lambda s: s.kv_pull_kv_seconds),
     (CounterMetricFamily, "kv_transfer_state_seconds",
      "Decode worker: seconds the recurrent-state parts of reads took, summed.", lambda s: s.kv_pull_state_seconds),
+    (CounterMetricFamily, "spec_decode_num_drafts",
+     "Speculative decoding: verifications of a request's draft tokens.", lambda s: s.spec_decode_num_drafts),
+    (CounterMetricFamily, "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+     lambda s: s.spec_decode_num_draft_tokens),
+    (CounterMetricFamily, "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+     lambda s: s.spec_decode_num_accepted_tokens),
 )
 # fmt: on
 

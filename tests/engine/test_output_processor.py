@@ -113,14 +113,18 @@ def test_include_stop_str_in_output(tokenizer):
 
 
 def test_stop_string_inside_one_update_cuts_the_rest(tokenizer):
+    """Several tokens in one update (speculative decoding): the ids end with the token that completes the stop
+    string, as when they come one a step."""
     ids = tokenizer.encode(ANSWER, add_special_tokens=False)
     [result] = feed(make(tokenizer, stop=("</answer>",)), ids, [len(ids)], finish=None)
     assert (result.delta_text, result.text, result.delta_token_ids) == (
         "The answer is 42",
         "The answer is 42",
-        ids,
+        ids[:9],  # up to ">"
     )
-    assert result.num_output_tokens == len(ids)
+    assert result.num_output_tokens == 9
+    one_a_step = feed(make(tokenizer, stop=("</answer>",)), ids, [1] * len(ids), finish=None)
+    assert [i for r in one_a_step if r is not None for i in r.delta_token_ids] == ids[:9]
 
 
 def test_earliest_stop_string_wins(tokenizer):
