@@ -6,8 +6,9 @@
    requests, and, from /metrics, per read: KV bytes and time, state bytes and time.
 2. Payload per request by model (from each model's cache layout): KV bytes for a prompt of N tokens against the
    fixed recurrent-state bytes: for hybrid models the state is most of what moves at short prompts.
-3. Descriptors: the same bytes read over NIXL between two processes as many block-sized regions (what a read of
-   scattered blocks is) and as one contiguous region (what a staging arena would make it), timed.
+3. Descriptors: the same bytes read over NIXL between two processes as blocks in runs of 1 to 64 consecutive
+   blocks (what a read straight between fragmented or fresh pools is) and staged (packed into one region with
+   the connector's own `pack`, read as one descriptor, scattered back with `unpack`), each phase timed.
 
 Writes <out>/disagg_<stamp>.csv and .png and prints markdown tables.
 
@@ -208,10 +209,15 @@ def bench_payload(prompts: list[int]) -> list[PayloadRow]:
 @dataclass
 class DescriptorRow:
     layout: str
-    regions: int
-    region_bytes: int
+    descriptors: int
     total_bytes: int
     read_ms_median: float
+    pack_ms_median: float  # staged: gathering the blocks into the prefill side's arena
+    unpack_ms_median: float  # staged: scattering the arena into the decode side's blocks
+
+    @property
+    def total_ms(self) -> float:
+        return self.read_ms_median + self.pack_ms_median + self.unpack_ms_median
 
 
 def _holder(conn: mp.connection.Connection, nbytes: int) -> None:
@@ -226,53 +232,72 @@ def _holder(conn: mp.connection.Connection, nbytes: int) -> None:
     conn.recv()  # until the reader is done
 
 
-def bench_descriptors(region_bytes: int, regions: int, run: int, repeats: int) -> list[DescriptorRow]:
-    """One process holds a buffer; this one reads the same bytes from it as runs of `run` regions, as `regions`
-    scattered regions, and as one region, each `repeats` times."""
+def _cache_moves(layers: int, shape: tuple[int, ...], blocks: int, repeats: int) -> tuple[float, float]:
+    """Median ms of the staging arena's two extra copies (the connector's own `pack` and `unpack`): gathering
+    `blocks` scattered blocks of every layer's [2, kv_heads, pool, block, head_dim] cache into one span, and
+    scattering them back."""
+    import torch
+
+    from hybridserve.engine.kv_transfer.layout import pack, unpack
+
+    # One thread: two threads on two cores shared with the UCX progress thread and other processes spin at
+    # every barrier (15x slower here), and an engine would not give a copy more than its step's threads.
+    torch.set_num_threads(1)
+    caches = [(torch.randn(shape), 2) for _ in range(layers)]
+    ids = torch.randperm(shape[2])[:blocks].tolist()
+    span = torch.empty(layers * caches[0][0][:, :, :blocks].numel() * 4, dtype=torch.uint8)
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for move, spent in ((pack, times[0]), (unpack, times[1])):
+            start = time.perf_counter()
+            move(caches, ids, span)
+            spent.append(time.perf_counter() - start)
+    return statistics.median(times[0]) * 1000, statistics.median(times[1]) * 1000
+
+
+def bench_descriptors(runs: list[int], repeats: int) -> list[DescriptorRow]:
+    """The KV of a 1,024-token prompt of the default model in float32 (64 blocks x 30 layers x 6 planes of
+    4 KiB), read over NIXL from another process: straight from the blocks when they lie in runs of each of
+    `runs` consecutive blocks on both sides, and staged (gathered into one arena region, read as one
+    descriptor, scattered into the reader's blocks), each `repeats` times."""
     import numpy as np
     import torch
     from nixl._api import nixl_agent, nixl_agent_config
 
-    total = region_bytes * regions
-    span = total * 2  # scattered: every other region of a buffer twice the size
+    layers, planes, row, blocks = 30, 6, 4096, 64
+    regions = layers * planes * blocks
+    total = regions * row
+    span = total * 2  # room to scatter: every other run of a buffer twice the size
     parent, child = mp.get_context("spawn").Pipe()
     holder = mp.get_context("spawn").Process(target=_holder, args=(child, span), daemon=True)
     holder.start()
     try:
         metadata, base = parent.recv()
         agent = nixl_agent("bench-reader", nixl_agent_config(backends=["UCX"]))
-        local = torch.frombuffer(mmap.mmap(-1, total), dtype=torch.uint8)
+        local = torch.frombuffer(mmap.mmap(-1, span), dtype=torch.uint8)
         agent.register_memory(local)
         peer = agent.add_remote_agent(metadata)
         peer = peer.decode() if isinstance(peer, bytes) else peer
-        starts = np.random.default_rng(0).permutation(span // region_bytes)[:regions] * region_bytes
-        runs = regions // run  # consecutive blocks on both sides merge: a fresh pool hands out runs like these
-        run_bytes = region_bytes * run
-        layouts = {
-            f"runs of {run} consecutive blocks": (
-                np.stack([local.data_ptr() + np.arange(runs) * run_bytes, np.full(runs, run_bytes), np.zeros(runs)], 1),
-                np.stack([base + np.arange(runs) * 2 * run_bytes, np.full(runs, run_bytes), np.zeros(runs)], 1),
-            ),
-            "scattered blocks": (
-                np.stack(
-                    [
-                        local.data_ptr() + np.arange(regions) * region_bytes,
-                        np.full(regions, region_bytes),
-                        np.zeros(regions),
-                    ],
-                    1,
-                ),
-                np.stack([base + starts, np.full(regions, region_bytes), np.zeros(regions)], 1),
-            ),
-            "one contiguous region (staging arena)": (
-                np.array([[local.data_ptr(), total, 0]]),
-                np.array([[base, total, 0]]),
-            ),
-        }
-        rows = []
-        for name, (ours, theirs) in layouts.items():
-            times = []
-            for _ in range(repeats):
+        rng = np.random.default_rng(0)
+
+        def scattered(start: int, run: int) -> np.ndarray:
+            count, run_bytes = regions // run, row * run
+            slots = rng.permutation(span // run_bytes)[:count] * run_bytes
+            return np.stack([start + slots, np.full(count, run_bytes), np.zeros(count)], 1)
+
+        layouts = {f"runs of {run} blocks": (scattered(local.data_ptr(), run), scattered(base, run)) for run in runs}
+        layouts["staged on both sides: one region"] = (
+            np.array([[local.data_ptr(), total, 0]]),
+            np.array([[base, total, 0]]),
+        )
+        # Staged on the prefill side only, read into a reader's fresh pool (runs of 64): the region is cut where
+        # the reader's runs end.
+        ours = scattered(local.data_ptr(), 64)
+        layouts["staged on the prefill side only"] = (ours, ours.copy())
+        layouts["staged on the prefill side only"][1][:, 0] = base + np.arange(len(ours)) * ours[0, 1]
+        times: dict[str, list[float]] = {name: [] for name in layouts}
+        for _ in range(repeats):  # interleaved, so that the machine's drift falls on every layout alike
+            for name, (ours, theirs) in layouts.items():
                 start = time.perf_counter()
                 handle = agent.initialize_xfer(
                     "READ",
@@ -285,14 +310,15 @@ def bench_descriptors(region_bytes: int, regions: int, run: int, repeats: int) -
                     state = agent.check_xfer_state(handle)
                 if state != "DONE":
                     raise ServerFailed(f"NIXL read ({name}) ended {state}")
-                times.append(time.perf_counter() - start)
+                times[name].append(time.perf_counter() - start)
                 agent.release_xfer_handle(handle)
-            if not bool((local == 7).all()):
-                raise ServerFailed(f"NIXL read ({name}) did not bring the holder's bytes")
-            local.zero_()
-            count = len(ours)
-            rows.append(DescriptorRow(name, count, total // count, total, statistics.median(times) * 1000))
-            say(f"descriptors: {rows[-1]}")
+        pack, unpack = _cache_moves(layers, (2, 3, 2048, 16, 64), blocks, repeats)
+        rows = []
+        for name, (ours, _) in layouts.items():
+            staged = name.startswith("staged")
+            moves = (pack, 0.0 if "only" in name else unpack) if staged else (0.0, 0.0)
+            rows.append(DescriptorRow(name, len(ours), total, statistics.median(times[name]) * 1000, *moves))
+            say(f"descriptors: {rows[-1]} (total {rows[-1].total_ms:.1f} ms)")
         return rows
     finally:
         parent.send(b"done")
@@ -360,8 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         write_csv([asdict(r) for r in payload], args.out / f"disagg_payload_{stamp}.csv")
         tables.append(markdown(payload))
     if "descriptors" in parts:
-        # A 1024-token prompt of the default model in float32: 64 blocks x 30 layers x 6 planes of 4 KiB.
-        descriptors = bench_descriptors(4096, 64 * 30 * 6, 64, 5)
+        descriptors = bench_descriptors([1, 2, 4, 8, 16, 64], 15)
         write_csv([asdict(r) for r in descriptors], args.out / f"disagg_descriptors_{stamp}.csv")
         tables.append(markdown(descriptors))
     if "load" in parts:

@@ -201,9 +201,9 @@ class EngineConfig:
         type=parse_bytes,
     )
     kv_staging_min_run: float = setting(
-        16.0,
+        2.0,
         "prefill and decode workers: stage a request whose KV blocks lie in runs of consecutive blocks shorter "
-        "than this on average (docs/benchmarks.md has the measurement behind it)",
+        "than this on average; inf stages every request (docs/benchmarks.md has the measurement behind 2)",
     )
     kv_transfer_failure: str = setting(
         "fail",
