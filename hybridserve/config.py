@@ -160,6 +160,11 @@ class EngineConfig:
         "leave goes back to the prefills, fewest tokens left first, so a lone long prompt still fills the step (1: "
         "a running prefill takes all the budget it can)",
     )
+    batch_step_tokens: int = setting(
+        128,
+        "tokens of a step that less urgent requests (batch requests) may take while more urgent ones (online) run "
+        "or wait, so online steps stay short; alone, batch requests take the whole budget (0: no limit)",
+    )
     native_kernels: bool = setting(
         True,
         "on CPU, run decode attention and fused element-wise ops as C kernels built at start-up with the system C "
@@ -259,6 +264,8 @@ class EngineConfig:
                 "long_prefill_token_threshold",
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
             )
+        if self.batch_step_tokens < 0:
+            raise InvalidParameter("batch_step_tokens", f"batch_step_tokens must be >= 0, got {self.batch_step_tokens}")
         if not 0 < self.long_prefill_share <= 1:
             raise InvalidParameter(
                 "long_prefill_share", f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}"

@@ -13,6 +13,8 @@ blocks back and is recomputed later from its prompt plus the tokens it already p
 unchanged.
 Priorities order both queues: a request waits behind every waiting request of a lower priority value, and
 the running list is kept in (priority, admission) order, so preemption takes the least urgent work first.
+While more urgent work runs or waits, the less urgent (batch requests beside online ones) shares at most
+`batch_step_tokens` of a step: an online request's steps, and the step it waits for, stay short.
 
 `schedule()` writes the step as a plain-data plan (plan.py) for the model runner, and `update(plan, sampled)`
 applies what the runner sampled; in between the scheduler touches no tensor.
@@ -52,6 +54,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.token_budget(device_type)
         self.chunk_limit = config.long_prefill_token_threshold or self.max_num_batched_tokens
         self.prefill_share = max(1, int(self.max_num_batched_tokens * config.long_prefill_share))
+        self.batch_step_tokens = config.batch_step_tokens or None  # None: batch work shares the whole budget
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -88,14 +91,22 @@ class Scheduler:
         new, self._introduced = self._introduced, []
         capped: list[int] = []  # the entries of `scheduled` that took the prefill share, which may get more
         drafts: dict[str, list[int]] = {}  # speculative decoding: tokens proposed after a request's last one
+        # Work less urgent than the most urgent present (batch beside online) shares a smaller budget, so the
+        # steps that online requests wait for and run in stay short.
+        urgent = min((r.priority for r in (*self.running, *self.waiting)), default=0)
+        background = self.batch_step_tokens
         preempted = False
         i = 0
         while i < len(self.running):
             req = self.running[i]
             if not (budget := self._top_up(scheduled, capped, budget, req.priority)):
                 break
-            n = self._chunk(req, req.num_computed_tokens, min(budget, self.prefill_share))
-            draft = [] if self.proposer is None else self._draft(self.proposer, req, budget)
+            limit = budget if background is None or req.priority == urgent else min(budget, background)
+            if not limit:
+                i += 1  # less urgent work, over its share this step
+                continue
+            n = self._chunk(req, req.num_computed_tokens, min(limit, self.prefill_share))
+            draft = [] if self.proposer is None else self._draft(self.proposer, req, limit)
             while not self.kv.allocate(req, n + len(draft)):
                 if draft:  # no proposal is worth a preemption
                     draft = []
@@ -113,6 +124,8 @@ class Scheduler:
                     capped.append(len(scheduled))
                 scheduled.append((req, n))
                 budget -= n
+                if background is not None and req.priority > urgent:
+                    background -= n
                 i += 1
         # Admitting new work right after a preemption would only thrash the cache.
         while self.waiting and len(self.running) + len(self.pulling) < self.max_num_seqs and not preempted:
@@ -123,9 +136,12 @@ class Scheduler:
                 if not self._admit_pull(req):
                     break
                 continue
+            limit = budget if background is None or req.priority == urgent else min(budget, background)
+            if not limit:
+                break  # the queue is in priority order: the rest is as little urgent
             cached = self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
-            n = self._chunk(req, num_cached, min(budget, self.prefill_share))
+            n = self._chunk(req, num_cached, min(limit, self.prefill_share))
             if not self.kv.allocate(req, n, cached):
                 break
             self.waiting.popleft()
@@ -139,7 +155,11 @@ class Scheduler:
                 capped.append(len(scheduled))
             scheduled.append((req, n))
             budget -= n
-        self._top_up(scheduled, capped, budget)
+            if background is not None and req.priority > urgent:
+                background -= n
+        # Leftover budget goes back to the chunks cut short, the less urgent ones within what is left of their share.
+        budget = self._top_up(scheduled, capped, budget, urgent + 1)
+        self._top_up(scheduled, capped, budget if background is None else min(budget, background))
         plan = [self._scheduled(req, n, drafts.get(req.request_id)) for req, n in scheduled]
         ops = self.kv.take_ops()
         finished, self.finished_ids = self.finished_ids, []

@@ -178,6 +178,29 @@ def test_a_waiting_batch_request_does_not_take_an_online_prefill_share() -> None
     assert h.step() == [("online", 8, True), ("batch", 4, True)]
 
 
+def test_batch_work_takes_at_most_its_step_share_while_online_work_is_there() -> None:
+    h = Harness(max_num_batched_tokens=32, batch_step_tokens=8, long_prefill_share=1)
+    h.add("batch", prompt(100), priority=1)
+    h.add("batch-2", prompt(10, base=300), priority=1)
+    assert h.step() == [("batch", 32, False)]  # alone, batch work has the whole budget
+    h.add("online", prompt(6, base=200), max_tokens=2)
+    assert h.step() == [("batch", 8, False), ("online", 6, True)]  # batch-2 waits: the share is spent
+    assert h.step() == [("online", 1, True), ("batch", 8, False)]  # the leftover 23 tokens do not go to batch
+    assert h.step() == [("batch", 32, False)]  # online is done
+    assert h.step() == [("batch", 20, True), ("batch-2", 10, True)]
+
+
+def test_without_a_batch_step_share_batch_work_fills_the_budget_beside_online_work() -> None:
+    h = Harness(max_num_batched_tokens=32, batch_step_tokens=0, long_prefill_share=1)
+    h.add("batch", prompt(100), priority=1)
+    assert h.step() == [("batch", 32, False)]
+    h.add("online", prompt(6, base=200), max_tokens=2)
+    # A running batch prefill takes all it can (share 1): the online request waits until it is done.
+    assert h.step() == [("batch", 32, False)]
+    assert h.step() == [("batch", 32, False)]
+    assert h.step() == [("batch", 4, True), ("online", 6, True)]
+
+
 def test_an_online_request_is_admitted_while_a_batch_prompt_is_chunked() -> None:
     h = Harness(max_num_batched_tokens=16)
     h.add("batch", prompt(40), priority=1)
