@@ -37,9 +37,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import say, write_csv  # noqa: E402
+from run_batch import TOPICS  # noqa: E402
 from serving_compare import MODEL, REPO, started  # noqa: E402
-
-TOPICS = ("a lighthouse keeper", "a lost robot", "the ocean", "a mountain village", "a clockmaker", "a dragon")
 
 
 @dataclass(frozen=True)
