@@ -161,7 +161,7 @@ class EngineConfig:
         "a running prefill takes all the budget it can)",
     )
     batch_step_tokens: int = setting(
-        128,
+        32,
         "tokens of a step that less urgent requests (batch requests) may take while more urgent ones (online) run "
         "or wait, so online steps stay short; alone, batch requests take the whole budget (0: no limit)",
     )
