@@ -37,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import say, write_csv  # noqa: E402
-from run_batch import TOPICS  # noqa: E402
+from run_batch import TOPICS, input_lines  # noqa: E402
 from serving_compare import MODEL, REPO, started  # noqa: E402
 
 
@@ -114,29 +114,12 @@ def _has_content(chunk: dict) -> bool:
     return any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", []))
 
 
-def batch_input(requests: int, max_tokens: int, tag: str) -> bytes:
-    lines = []
-    for i in range(requests):
-        content = f"[{tag}-{i}] Write a long story about {TOPICS[i % len(TOPICS)]}."
-        body = {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        lines.append(
-            json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
-        )
-    return ("\n".join(lines) + "\n").encode()
-
-
 async def run_batch(
     client: httpx.AsyncClient, args: argparse.Namespace, tag: str, requests: int | None = None
 ) -> tuple[int, float]:
     """Uploads and runs one batch (of --batch-requests unless `requests`) to completion: (output tokens,
     seconds from create to completed)."""
-    data = batch_input(requests or args.batch_requests, args.batch_tokens, tag)
+    data = "".join(input_lines(requests or args.batch_requests, args.batch_tokens, tag)).encode()
     r = await client.post("/v1/files", files={"file": ("batch.jsonl", data)}, data={"purpose": "batch"})
     r.raise_for_status()
     body = {"input_file_id": r.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}

@@ -47,19 +47,25 @@ class Row:
     peak_rss_mib: float
 
 
+def input_lines(requests: int, max_tokens: int, tag: str) -> list[str]:
+    """The batch's JSONL lines (newline-terminated): chat completions, a unique tag per prompt, greedy."""
+    lines = []
+    for i in range(requests):
+        content = f"[{tag}-{i}] Write a long story about {TOPICS[i % len(TOPICS)]}."
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        line = {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        lines.append(json.dumps(line) + "\n")
+    return lines
+
+
 def write_input(path: Path, requests: int, max_tokens: int, tag: str) -> None:
-    with path.open("w") as f:
-        for i in range(requests):
-            content = f"[{tag}-{i}] Write a long story about {TOPICS[i % len(TOPICS)]}."
-            body = {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": content}],
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-            }
-            line = {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
-            f.write(json.dumps(line) + "\n")
+    path.write_text("".join(input_lines(requests, max_tokens, tag)))
 
 
 def command(tool: str, source: Path, output: Path, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:

@@ -317,6 +317,7 @@ class KVConnector:
     def hold(self, outputs: list[EngineCoreOutput], now: float) -> None:
         """Leases what the step prefilled for remote decode, packing fragmented requests' KV (the outputs then
         name the span)."""
+        packed = False
         for i, out in enumerate(outputs):
             source = out.kv_transfer
             if source is None:
@@ -326,9 +327,10 @@ class KVConnector:
             if span is not None:
                 assert self.arena is not None
                 pack(self._kv, source.block_ids, span)
+                packed = True
                 offset = span.data_ptr() - self.arena.address
                 outputs[i] = msgspec.structs.replace(out, kv_transfer=msgspec.structs.replace(source, staged=offset))
-        if self.arena is not None and self.arena.tensor.device.type == "cuda":
+        if packed and self.arena is not None and self.arena.tensor.device.type == "cuda":
             torch.cuda.current_stream(self.arena.tensor.device).synchronize()  # packed before anyone reads
 
     def release(self, request_id: str) -> bool:
