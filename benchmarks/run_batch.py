@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import MODEL, same_dtype_as_engine, vllm_command, vllm_env, vllm_missing  # noqa: E402
 from report import write_csv  # noqa: E402
-from serving_compare import MODEL, REPO, PeakRss, log_tail, say  # noqa: E402
+from serving_compare import REPO, PeakRss, log_tail, say  # noqa: E402
 
 TOOLS = ("hybridserve", "vllm")
 TITLES = {"hybridserve": "hybridserve run-batch", "vllm": "vllm run-batch (CPU)"}
@@ -75,32 +76,8 @@ def command(tool: str, source: Path, output: Path, args: argparse.Namespace) -> 
         env["PYTHONPATH"] = str(REPO)  # this checkout's code, whatever the interpreter has installed
         exe = [sys.executable, "-m", "hybridserve.serving.cli", "run-batch"]
         return [*exe, *files, *shlex.split(args.hybridserve_args)], env
-    cores = os.cpu_count() or 1
-    env.update(
-        VLLM_CACHE_ROOT=str(args.peer_root / "vllm_cache"),
-        HF_HUB_OFFLINE="1",
-        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-        VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}",
-        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-        OMP_NUM_THREADS=str(cores),
-    )
-    model = ["--model", str(args.peer_root / "model_hf"), "--served-model-name", MODEL, "--dtype", "bfloat16"]
-    # the module, not the `vllm` script: that one asks for the "vllm" distribution's version, and the CPU
-    # build is installed as "vllm-cpu" (PackageNotFoundError: No package metadata was found for vllm)
-    vllm = [str(args.peer_root / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.run_batch"]
-    return [*vllm, *files, *model, "--max-model-len", "4096", *shlex.split(args.vllm_args)], env
-
-
-def vllm_missing(args: argparse.Namespace) -> str | None:
-    """Why vLLM cannot run here, or None; its model copy is made on first use (peer-model.sh)."""
-    python = args.peer_root / "vllm" / "bin" / "python"
-    if not python.is_file():
-        return f"vLLM is not installed ({python} not found; `bash {args.bench_dir / 'peer-vllm.sh'}` installs it)"
-    if not (args.peer_root / "model_hf" / "config.json").is_file():
-        say("vllm: making the HF copy of the model (peer-model.sh)")
-        env = {**os.environ, "PEER_ROOT": str(args.peer_root)}
-        subprocess.run(["bash", str(args.bench_dir / "peer-model.sh"), str(python)], check=True, env=env)
-    return None
+    command = vllm_command(args.peer_root, "vllm.entrypoints.openai.run_batch", args.vllm_dtype)
+    return [*command, *files, *shlex.split(args.vllm_args)], vllm_env(args.peer_root)
 
 
 def count_output(path: Path, requests: int) -> tuple[int, int]:
@@ -184,6 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench-dir", type=Path, default=REPO.parent / "shared" / "bench", help="peer scripts")
     p.add_argument("--peer-root", type=Path, default=Path(os.environ.get("PEER_ROOT", "/tmp/peer")), help="peers")
     p.add_argument("--hybridserve-args", default="", help="extra arguments for `hybridserve run-batch`, one string")
+    p.add_argument("--vllm-dtype", default=same_dtype_as_engine(), help="vLLM's --dtype (default: the engine's auto)")
     p.add_argument("--vllm-args", default="", help="extra arguments for `vllm run-batch`, one string")
     args = p.parse_args(argv)
     args.tools = [t.strip() for t in args.tools.split(",") if t.strip()]
@@ -206,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     write_input(source, args.requests, args.max_tokens, args.stamp)
     rows: list[Row] = []
     for tool in args.tools:
-        if tool == "vllm" and (why := vllm_missing(args)) is not None:
+        if tool == "vllm" and (why := vllm_missing(args.peer_root, args.bench_dir)) is not None:
             say(f"vllm: skipped: {why}")
             continue
         rows.append(run_tool(tool, args, source))

@@ -40,10 +40,11 @@ from contextlib import contextmanager, suppress
 from dataclasses import astuple, dataclass, fields, replace
 from pathlib import Path
 
+from peers import MODEL, same_dtype_as_engine, vllm_command, vllm_env, vllm_missing
+
 REPO = Path(__file__).resolve().parents[1]
 SERVERS = ("hybridserve", "baseline", "vllm")
 TITLES = {"hybridserve": "hybridserve", "baseline": "hybridserve (baseline)", "vllm": "vLLM (CPU)"}
-MODEL = "smollm2"
 SAMPLE_EVERY_S = 0.2
 PROGRESS_EVERY_S = 15.0
 STOP_GRACE_S = 30.0
@@ -160,8 +161,9 @@ def server_command(name: str, args: argparse.Namespace) -> tuple[list[str], dict
             env["PYTHONPATH"] = str(args.baseline.resolve())
         exe = [str(REPO / ".venv" / "bin" / "python"), "-m", "hybridserve.serving.cli"]
         return [*exe, "serve", "--port", str(args.port), *shlex.split(args.hybridserve_args)], env
-    env["PORT"] = str(args.port)
-    return ["bash", str(args.bench_dir / "peer-vllm.sh")], env
+    server = vllm_command(args.peer_root, "vllm.entrypoints.openai.api_server", args.vllm_dtype)
+    address = ["--host", "127.0.0.1", "--port", str(args.port)]
+    return [*server, *address, *shlex.split(args.vllm_args)], vllm_env(args.peer_root)
 
 
 def port_open(port: int) -> bool:
@@ -259,6 +261,8 @@ def warn_if_busy(name: str) -> None:
 
 @contextmanager
 def running_server(name: str, args: argparse.Namespace, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    if name == "vllm" and (why := vllm_missing(args.peer_root, args.bench_dir)) is not None:
+        raise ServerFailed(why)
     warn_if_busy(name)
     command, env = server_command(name, args)
     with started(name, command, env, args, log) as proc:
@@ -456,6 +460,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8017, help="port each server binds in turn (127.0.0.1)")
     p.add_argument("--bench-dir", type=Path, default=REPO.parent / "shared" / "bench", help="loadgen + peer scripts")
     p.add_argument("--hybridserve-args", default="", help="extra arguments for `hybridserve serve`, one string")
+    p.add_argument("--peer-root", type=Path, default=Path(os.environ.get("PEER_ROOT", "/tmp/peer")), help="peers")
+    p.add_argument("--vllm-dtype", default=same_dtype_as_engine(), help="vLLM's --dtype (default: the engine's auto)")
+    p.add_argument("--vllm-args", default="", help="extra arguments for vLLM's api_server, one string")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
     p.add_argument("--baseline", type=Path, default=None, help="an earlier hybridserve checkout, served as `baseline`")
     p.add_argument("--rounds", type=int, default=1, help="run the servers this many times, alternating their order")
