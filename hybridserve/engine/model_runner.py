@@ -27,8 +27,10 @@ from hybridserve.models.layers.attention import AttentionMetadata, DecodeGroup, 
 from hybridserve.models.layers.linear import can_pack, pack_linears
 from hybridserve.models.layers.native import (
     KernelUnavailable,
+    LinearKernels,
     PagedAttention,
     load_fused_ops,
+    load_linear_kernels,
     load_paged_attention,
     use_native_ops,
 )
@@ -94,7 +96,7 @@ class ModelRunner:
             if isinstance(module, RotaryEmbedding):
                 module.to(self.device, self.dtype)
         if can_pack(self.device):
-            pack_linears(model)
+            pack_linears(model, self._linear_kernels(config))
         self.model = model.eval()
         self.vocab_size = self.hf_config.vocab_size
         self.max_position = self.hf_config.max_position_embeddings
@@ -149,6 +151,18 @@ class ModelRunner:
             self._load_native_kernels()
         self.sampler = Sampler(self.vocab_size)
         self.requests: dict[str, _RunnerRequest] = {}  # every request an earlier plan scheduled and none finished
+
+    def _linear_kernels(self, config: EngineConfig) -> LinearKernels | None:
+        """The native float32 matmuls for the linear layers, or None (oneDNN's then) with a warning naming why."""
+        if not config.native_kernels or self.dtype != torch.float32:
+            return None
+        try:
+            kernels = load_linear_kernels()
+        except KernelUnavailable as exc:
+            logger.warning("linear layers use oneDNN: %s", exc)
+            return None
+        logger.info("linear layers: native float32 kernels (panels of %d columns)", kernels.panel_width)
+        return kernels
 
     def _load_native_kernels(self) -> None:
         """C kernels for this model on CPU: paged attention (decode, rotary + cache write) for its attention

@@ -1,7 +1,11 @@
-"""CPU matmuls with weights pre-packed for oneDNN, swapped in for nn.Linear at start-up.
+"""CPU matmuls with weights packed once at start-up, swapped in for nn.Linear. CUDA keeps nn.Linear.
 
-Same math as nn.Linear; the weight is laid out once for the CPU kernel instead of on every call,
-which is worth ~2x at batch 1 and 10-20% at batch 64 on this class of CPU. CUDA keeps nn.Linear.
+Same math as nn.Linear, the weight laid out once for the kernel instead of on every call:
+- float32: the native kernel of linear.c (panels of output columns summed in registers), which on an AVX2
+  CPU is 1.2-1.9x oneDNN's float32 GEMM at decode batch sizes (benchmarks/native_kernels.py); every output
+  element is summed in one fixed order, so a row's result does not depend on its batch.
+- bfloat16 (and float32 without a C compiler or with native kernels off): weights pre-packed for oneDNN,
+  which is worth ~2x at batch 1 and 10-20% at batch 64 on CPUs with native bf16 matmuls.
 """
 
 from __future__ import annotations
@@ -9,11 +13,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.models.layers.native import LinearKernels
+
 # A typical decode batch; the packed layout works for every batch size, this only tunes it.
 _BATCH_HINT = 64
 
 
 class PackedLinear(nn.Module):
+    """oneDNN's matmul over a weight reordered for it."""
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.out_features = linear.out_features
@@ -24,14 +32,34 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class NativeLinear(nn.Module):
+    """The native float32 kernel over the weight's panels; inputs of any leading shape."""
+
+    def __init__(self, linear: nn.Linear, kernels: LinearKernels) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernels = kernels
+        self.panels = kernels.pack(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = self.kernels.linear(rows, self.panels, self.out_features, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 def can_pack(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Replace every nn.Linear in `model` by a PackedLinear, in place."""
+def pack_linears(model: nn.Module, kernels: LinearKernels | None = None) -> None:
+    """Replace every nn.Linear in `model`, in place: by a NativeLinear where `kernels` are given and the
+    weight is float32, else by a PackedLinear."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, PackedLinear(child))
+            if kernels is not None and child.weight.dtype == torch.float32:
+                setattr(model, name, NativeLinear(child, kernels))
+            else:
+                setattr(model, name, PackedLinear(child))
         else:
-            pack_linears(child)
+            pack_linears(child, kernels)

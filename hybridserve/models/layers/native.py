@@ -170,6 +170,48 @@ class FusedOps:
         return out
 
 
+class LinearKernels:
+    """float32 matmuls y = x W^T + b over weights packed once into panels (linear.c)."""
+
+    def __init__(self, library: Path) -> None:
+        lib = ctypes.CDLL(str(library))
+        self.panel_width = int(_function(lib, "linear_panel_width", [], _I)())
+        self._pack = _function(lib, "linear_pack_f32", [_P, _I, _I, _P])
+        self._linear = _function(lib, "linear_f32", [_P, _I, _I, _I, _P, _I, _P, _P])
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight: [N, K] float32 on CPU. Returns its panels, [ceil(N / panel_width), K, panel_width]."""
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"packing needs a 2-D float32 CPU weight, got {weight.dtype} {tuple(weight.shape)}")
+        weight = weight.contiguous()
+        n, k = weight.shape
+        packed = torch.empty((-(-n // self.panel_width), k, self.panel_width), dtype=torch.float32)
+        self._pack(weight.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: [M, K] float32, each row contiguous; packed: pack()'s panels of W [n, K]. Returns [M, n]."""
+        m, k = x.shape
+        if x.dtype != torch.float32 or k != packed.shape[1] or (x.stride(1) != 1 and m > 0):
+            raise ValueError(
+                f"input must be float32 [M, {packed.shape[1]}] with contiguous rows, got {x.dtype} "
+                f"{tuple(x.shape)} with strides {x.stride()}"
+            )
+        y = torch.empty((m, n), dtype=torch.float32)
+        if m:
+            self._linear(
+                x.data_ptr(),
+                x.stride(0),
+                m,
+                k,
+                packed.data_ptr(),
+                n,
+                0 if bias is None else bias.data_ptr(),
+                y.data_ptr(),
+            )
+        return y
+
+
 def load_paged_attention(
     dtype: torch.dtype, head_dim: int, block_size: int, group: int, *, portable: bool = False
 ) -> PagedAttention:
@@ -186,6 +228,11 @@ def load_paged_attention(
 def load_fused_ops() -> FusedOps:
     """The fused element-wise ops, built on first use. Raises KernelUnavailable naming the reason."""
     return FusedOps(_build("fused_ops", {}))
+
+
+def load_linear_kernels() -> LinearKernels:
+    """The float32 matmul kernels, built on first use. Raises KernelUnavailable naming the reason."""
+    return LinearKernels(_build("linear", {}))
 
 
 def _function(lib: ctypes.CDLL, name: str, argtypes: list[type], restype: type | None = None) -> Callable[..., Any]:
