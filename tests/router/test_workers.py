@@ -328,14 +328,15 @@ def _stream(
 
 def test_kill_9_fails_only_the_dead_workers_streams_and_it_rejoins(frontend, workers) -> None:
     urls, procs = workers["urls"], workers["procs"]
-    expected = {p: "".join(_stream(frontend, p, 64)[0]) for p in PROMPTS}  # greedy, one at a time
+    # 32 tokens: enough that all 16 streams are under way when the worker dies, none finished
+    expected = {p: "".join(_stream(frontend, p, 32)[0]) for p in PROMPTS}  # greedy, one at a time
     prompts = PROMPTS * 2  # 16 concurrent streams over the two workers
     streaming = threading.Semaphore(0)
 
     async def run() -> list[tuple[list[str], dict | None]]:
         loop = asyncio.get_running_loop()
         with ThreadPoolExecutor(len(prompts)) as pool:
-            tasks = [loop.run_in_executor(pool, _stream, frontend, p, 64, streaming.release) for p in prompts]
+            tasks = [loop.run_in_executor(pool, _stream, frontend, p, 32, streaming.release) for p in prompts]
             for _ in prompts:  # every stream is under way, none can have finished
                 assert await loop.run_in_executor(None, streaming.acquire, True, TIMEOUT_S), "a stream never started"
             procs["b"].signal(signal.SIGKILL)
