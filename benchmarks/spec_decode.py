@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from benchmarks.report import say, write_csv
-from hybridserve.config import SpeculativeConfig
+from hybridserve.speculative import SpeculativeConfig
 from hybridserve.engine.llm import LLM
 from hybridserve.sampling_params import SamplingParams
 
