@@ -186,7 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--suffix-config", default="{}", help="more --speculative-config keys for hybridserve-suffix")
     p.add_argument("--hybridserve-args", default="", help="extra arguments for `hybridserve serve`")
     p.add_argument("--peer-root", type=Path, default=Path(os.environ.get("PEER_ROOT", "/tmp/peer")))
-    p.add_argument("--port", type=int, default=8017)
+    p.add_argument("--port", type=int, default=8019, help="the port each server binds in turn (127.0.0.1)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
