@@ -1,13 +1,13 @@
 """Speculative decoding over HTTP: hybridserve plain / ngram / suffix against vLLM's CPU build plain / ngram.
 
     .venv/bin/python -m benchmarks.spec_serving                                # every side, conc 1,4
-    .venv/bin/python -m benchmarks.spec_serving --sides hybridserve,hybridserve-suffix --conc 1 --max-tokens 32
+    .venv/bin/python -m benchmarks.spec_serving --sides hybridserve,hybridserve-suffix --conc 1 --requests 2
 
 The workload is spec_decode.py's "rewrite this text with one change" (8 requests, a paragraph each to copy with
-one word replaced), sent to the OpenAI Chat Completions API, greedy, up to --max-tokens each, at each --conc
-level: `conc` requests in flight at once until all 8 are answered. One server at a time on --port, each in its
-own process group, healthy and warmed up before the load (serving_compare.py's helpers) and stopped in `finally`
-(on Ctrl-C and SIGTERM too); every wait is bounded (--startup-timeout, --request-timeout).
+one word replaced; --requests takes fewer), sent to the OpenAI Chat Completions API, greedy, up to --max-tokens
+each, at each --conc level: `conc` requests in flight at once until all are answered. One server at a time on
+--port, each in its own process group, healthy and warmed up before the load (serving_compare.py's helpers) and
+stopped in `finally` (on Ctrl-C and SIGTERM too); every wait is bounded (--startup-timeout, --request-timeout).
 
 Sides: hybridserve (this checkout's `hybridserve serve`, default model, --hybridserve-args appended),
 hybridserve-ngram (`{"method": "ngram", "num_speculative_tokens": --k, "prompt_lookup_max": 4}`),
@@ -102,7 +102,7 @@ def spec_counts(url: str) -> dict[str, float]:
 
 
 def run_level(side: str, url: str, conc: int, args: argparse.Namespace) -> tuple[dict[str, object], list[str]]:
-    texts = rewrite_texts()
+    texts = rewrite_texts()[: args.requests]
     before = spec_counts(url)
     start = time.perf_counter()
     with ThreadPoolExecutor(conc) as pool:
@@ -181,6 +181,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sides", default=",".join(SIDES), help="comma list from: " + ", ".join(SIDES))
     p.add_argument("--conc", default="1,4", help="requests in flight at once, one level each")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--requests", type=int, default=8, help="the first this many of the 8 rewrite requests")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens of the ngram sides")
     p.add_argument("--suffix-k", type=int, default=8, help="num_speculative_tokens of hybridserve-suffix")
     p.add_argument("--suffix-config", default="{}", help="more --speculative-config keys for hybridserve-suffix")
@@ -200,8 +201,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError(args.suffix_config)
     except ValueError as exc:
         p.error(f"--conc must be integers and --suffix-config a JSON object: {exc}")
-    if any(c < 1 for c in args.conc) or args.max_tokens < 1:
-        p.error(f"--conc levels and --max-tokens must be positive, got {args.conc} and {args.max_tokens}")
+    if any(c < 1 for c in args.conc) or min(args.max_tokens, args.requests) < 1:
+        numbers = f"{args.conc}, {args.max_tokens}, {args.requests}"
+        p.error(f"--conc, --max-tokens and --requests must be positive, got {numbers}")
     args.stamp = time.strftime("%Y%m%d-%H%M%S")
     return args
 
