@@ -13,8 +13,8 @@ Sides: hybridserve (this checkout's `hybridserve serve`, default model, --hybrid
 hybridserve-ngram (`{"method": "ngram", "num_speculative_tokens": --k, "prompt_lookup_max": 4}`),
 hybridserve-suffix (`{"method": "suffix", "num_speculative_tokens": --suffix-k}` with --suffix-config's keys;
 the cross-request cache is off unless that names suffix_decoding_max_cached_requests, since a later level would
-draft from the earlier level's identical outputs), vllm and vllm-ngram (vLLM's api_server from --peer-root,
-float32 like hybridserve's `--dtype auto` on an AVX2 CPU, the same ngram keys).
+draft from the earlier level's identical outputs), vllm and vllm-ngram (vLLM's api_server from --peer-root as
+peers.py starts it, in the engine's `--dtype auto` unless --vllm-dtype, the same ngram keys).
 
 Output tok/s is completion tokens over the level's wall time; acceptance is accepted over drafted tokens from the
 server's /metrics (hybridserve:… and vllm:spec_decode_num_{draft,accepted}_tokens_total). Each side's texts are
@@ -39,8 +39,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import MODEL, same_dtype_as_engine, vllm_command, vllm_env, vllm_missing  # noqa: E402
 from report import write_csv  # noqa: E402
-from serving_compare import MODEL, REPO, ServerFailed, _raise_interrupt, say, started  # noqa: E402
+from serving_compare import REPO, ServerFailed, _raise_interrupt, say, started  # noqa: E402
 from spec_decode import rewrite_texts  # noqa: E402
 
 SIDES = ("hybridserve", "hybridserve-ngram", "hybridserve-suffix", "vllm", "vllm-ngram")
@@ -64,18 +65,8 @@ def server(side: str, args: argparse.Namespace) -> tuple[list[str], dict[str, st
     if side.startswith("hybridserve"):
         extra = args.hybridserve_args.split()
         return [sys.executable, "-m", "hybridserve.serving.cli", "serve", *address, *flags, *extra], None
-    env = dict(os.environ)
-    env.update(
-        VLLM_CPU_KVCACHE_SPACE="2",
-        VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}",
-        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-        OMP_NUM_THREADS=str(os.cpu_count() or 1),
-        HF_HUB_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(args.peer_root / "vllm_cache"),
-    )
-    model = ["--model", str(args.peer_root / "model_hf"), "--served-model-name", MODEL, "--dtype", "float32"]
-    api = [str(args.peer_root / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
-    return [*api, *model, "--max-model-len", "4096", "--host", "127.0.0.1", *address, *flags], env
+    api = vllm_command(args.peer_root, "vllm.entrypoints.openai.api_server", args.vllm_dtype)
+    return [*api, "--host", "127.0.0.1", *address, *flags], vllm_env(args.peer_root)
 
 
 def chat(url: str, text: str, max_tokens: int, timeout: float) -> tuple[str, int, float]:
@@ -136,8 +127,8 @@ def bench(args: argparse.Namespace) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     plain_texts: dict[tuple[str, int], list[str]] = {}  # per engine and level: the plain side's answers
     for side in args.sides:
-        if side.startswith("vllm") and not (args.peer_root / "vllm" / "bin" / "python").is_file():
-            say(f"{side}: skipped, vLLM is not installed under {args.peer_root}")
+        if side.startswith("vllm") and (why := vllm_missing(args.peer_root, args.bench_dir)) is not None:
+            say(f"{side}: skipped: {why}")
             continue
         try:
             with serving(side, args, args.out / f"{side}_{args.stamp}.log") as url:
@@ -186,9 +177,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--suffix-k", type=int, default=8, help="num_speculative_tokens of hybridserve-suffix")
     p.add_argument("--suffix-config", default="{}", help="more --speculative-config keys for hybridserve-suffix")
     p.add_argument("--hybridserve-args", default="", help="extra arguments for `hybridserve serve`")
-    p.add_argument("--peer-root", type=Path, default=Path(os.environ.get("PEER_ROOT", "/tmp/peer")))
+    p.add_argument("--peer-root", type=Path, default=Path(os.environ.get("PEER_ROOT", "/tmp/peer")), help="peers")
+    p.add_argument("--bench-dir", type=Path, default=REPO.parent / "shared" / "bench", help="peer scripts")
+    p.add_argument("--vllm-dtype", default=same_dtype_as_engine(), help="vLLM's --dtype (default: the engine's auto)")
     p.add_argument("--port", type=int, default=8019, help="the port each server binds in turn (127.0.0.1)")
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = p.parse_args(argv)
