@@ -1,14 +1,16 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding on a workload where drafts pay.
+"""Speculative decoding (n-gram prompt lookup, suffix trees) against plain decoding on a workload where drafts pay.
 
     python -m benchmarks.spec_decode [--out benchmarks/results] [--batches 1,8] [--max-tokens 128]
 
 The workload is "rewrite this text with one change": a paragraph and an instruction to copy it with one word
 replaced, so most of the answer repeats the prompt and prompt lookup proposes it. One engine per side (plain,
-then `{"method": "ngram", "num_speculative_tokens": K}` for each --ks), everything else default (SmolLM2-135M,
-bf16 where the CPU has it), greedy, all in this process. For each batch size B the first B prompts are generated
-together, timed end to end (prefill included), --repeats times with the sides taking turns, the fastest run kept;
-tokens/s is output tokens over that time (after the first run the prompts are prefix-cache hits, on every side,
-so the kept run is mostly decoding).
+then `{"method": "ngram", "num_speculative_tokens": K}` for each --ks and `{"method": "suffix",
+"num_speculative_tokens": K, "suffix_decoding_max_cached_requests": --suffix-cache}` for each --suffix-ks),
+everything else default (SmolLM2-135M, bf16 where the CPU has it), greedy, all in this process. The suffix
+sides' cross-request cache is off by default: with it, a repeat drafts from the earlier runs' identical outputs.
+For each batch size B the first B prompts are generated together, timed end to end (prefill included),
+--repeats times with the sides taking turns, the fastest run kept; tokens/s is output tokens over that time
+(after the first run the prompts are prefix-cache hits, on every side, so the kept run is mostly decoding).
 Acceptance is accepted over drafted tokens, and tokens per verification is 1 + accepted / verifications. Each
 side's token ids are compared with the plain side's: they must be identical (greedy is lossless).
 Writes <out>/spec_decode.csv and .png; progress goes to stderr.
@@ -21,9 +23,9 @@ import time
 from pathlib import Path
 
 from benchmarks.report import say, write_csv
-from hybridserve.config import SpeculativeConfig
 from hybridserve.engine.llm import LLM
 from hybridserve.sampling_params import SamplingParams
+from hybridserve.speculative import SpeculativeConfig
 
 PARAGRAPHS = [
     "The library opens at nine in the morning and closes at six in the evening. Visitors may borrow up to five "
@@ -42,15 +44,18 @@ PARAGRAPHS = [
 CHANGES = [("morning", "day"), ("Tuesday", "Monday"), ("flour", "wheat"), ("museum", "park")]
 
 
-def prompts(llm: LLM) -> list[list[int]]:
-    """Eight rewrite prompts: each paragraph with its own change, then with the next one's (a word it lacks)."""
+def rewrite_texts() -> list[str]:
+    """Eight rewrite requests: each paragraph with its own change, then with the next one's (a word it lacks)."""
     out = []
     for shift in range(2):
         for i, paragraph in enumerate(PARAGRAPHS):
             old, new = CHANGES[(i + shift) % len(CHANGES)]
-            text = f'Rewrite the following text exactly as it is, but replace "{old}" with "{new}".\n\n{paragraph}'
-            out.append(llm.chat_prompt([{"role": "user", "content": text}]))
+            out.append(f'Rewrite the following text exactly as it is, but replace "{old}" with "{new}".\n\n{paragraph}')
     return out
+
+
+def prompts(llm: LLM) -> list[list[int]]:
+    return [llm.chat_prompt([{"role": "user", "content": text}]) for text in rewrite_texts()]
 
 
 def run(llm: LLM, batch: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], dict[str, int]]:
@@ -72,13 +77,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--ks", default="2,4", help="num_speculative_tokens of each speculative side")
+    parser.add_argument("--ks", default="2,4", help="num_speculative_tokens of each ngram side")
+    parser.add_argument("--suffix-ks", default="4,8", help="num_speculative_tokens of each suffix side ('': none)")
+    parser.add_argument("--suffix-cache", type=int, default=0, help="suffix_decoding_max_cached_requests")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each setting, the sides taking turns")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     specs: dict[str, SpeculativeConfig | None] = {"plain": None}
-    specs.update({f"ngram k={k}": SpeculativeConfig("ngram", int(k)) for k in args.ks.split(",")})
+    specs.update({f"ngram k={k}": SpeculativeConfig("ngram", int(k)) for k in args.ks.split(",") if k})
+    for k in filter(None, args.suffix_ks.split(",")):
+        specs[f"suffix k={k}"] = SpeculativeConfig(
+            "suffix", int(k), suffix_decoding_max_cached_requests=args.suffix_cache
+        )
     llms = {side: LLM(speculative_config=spec) for side, spec in specs.items()}
     work = prompts(llms["plain"])
     for llm in llms.values():

@@ -4,12 +4,12 @@ Each field is declared with `setting`, which also describes its `hybridserve ser
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybridserve.sampling_params import InvalidParameter
+from hybridserve.speculative import SpeculativeConfig, parse_speculative_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GENERATION_CONFIGS = ("auto", "none")
@@ -46,65 +46,6 @@ def setting(default: Any, help: str, **flag: Any) -> Any:
     help; `flag` holds argparse options the field's type does not imply (choices, a `type` that parses text,
     `positional=True`, and for a bool `env`: the variable that, set to 1 or 0, gives the flag its default)."""
     return field(default=default, metadata={"help": help, **flag})
-
-
-SPECULATIVE_METHODS = ("ngram",)
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (vLLM's `--speculative-config` keys): each decoding request proposes up to
-    `num_speculative_tokens` tokens by prompt lookup and the model verifies them in the same step."""
-
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_max: int = 4  # the longest suffix of the request's tokens looked up earlier in them
-    prompt_lookup_min: int = 1  # the shortest, tried last
-
-    def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise InvalidParameter(
-                "speculative_config",
-                f"speculative_config method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
-            )
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidParameter(
-                    "speculative_config", f"speculative_config {name} must be a positive integer, got {value!r}"
-                )
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise InvalidParameter(
-                "speculative_config",
-                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
-                f"({self.prompt_lookup_max})",
-            )
-
-    @classmethod
-    def from_dict(cls, values: object) -> SpeculativeConfig:
-        if not isinstance(values, dict):
-            raise InvalidParameter("speculative_config", f"speculative_config must be a JSON object, got {values!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in values if k not in known)
-        if unknown:
-            raise InvalidParameter(
-                "speculative_config", f"speculative_config has unknown keys {unknown} (known: {sorted(known)})"
-            )
-        missing = [name for name in ("method", "num_speculative_tokens") if name not in values]
-        if missing:
-            raise InvalidParameter("speculative_config", f"speculative_config needs {missing}, got {values!r}")
-        return cls(**values)
-
-
-def parse_speculative_config(text: str) -> SpeculativeConfig:
-    """'{"method": "ngram", "num_speculative_tokens": 4}' → SpeculativeConfig."""
-    try:
-        values = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidParameter(
-            "speculative_config", f"speculative_config is not valid JSON ({exc}): {text!r}"
-        ) from None
-    return SpeculativeConfig.from_dict(values)
 
 
 @dataclass(frozen=True)
@@ -174,7 +115,11 @@ class EngineConfig:
         None,
         'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
         '"prompt_lookup_min": 1} drafts tokens by looking the request\'s last tokens up earlier in its prompt and '
-        "output, and verifies them in one forward (lossless; requests with structured output take no drafts); a "
+        'output; {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 24, '
+        '"suffix_decoding_max_cached_requests": 1000, "suffix_decoding_max_spec_factor": 1.0, '
+        '"suffix_decoding_min_token_prob": 0.1} drafts the most frequent continuation of the longest matched suffix '
+        "in suffix trees of the request's tokens and of recent requests' outputs, as long as the match allows. "
+        "Either verifies the draft in one forward (lossless; requests with structured output take no drafts); a "
         "mapping in a --config file or the LLM API; default off",
         type=parse_speculative_config,
     )

@@ -1,20 +1,49 @@
-"""Draft tokens for speculative decoding by prompt lookup (n-gram): no draft model, only the request's own tokens.
+"""Draft tokens for speculative decoding from a request's own tokens: no draft model.
 
-The last n tokens of a request (prompt and output) are looked for earlier in them, n from prompt_lookup_max down
-to prompt_lookup_min; at the most recent earlier occurrence of the longest suffix found, the tokens that followed
-it are the proposal. Text that repeats its context (edits, code, quotes, summaries) yields long accepted runs.
+A proposer keeps what it knows of each request it drafted for (appending the tokens added since its last
+call, never rebuilding) until the scheduler says the request ended. Two methods:
 
-Searching is `bytes.rfind` over the ids packed as 32-bit integers, a scan in C; a hit not on a token boundary
-is skipped by searching again to its left.
+- ngram (`NgramProposer`, prompt lookup): the last n tokens of a request (prompt and output) are looked for
+  earlier in them, n from prompt_lookup_max down to prompt_lookup_min; at the most recent earlier occurrence of
+  the longest suffix found, the tokens that followed it are the proposal. Searching is `bytearray.rfind` over
+  the request's ids packed as 32-bit integers, a scan in C over a buffer that grows by the new tokens; a hit not
+  on a token boundary is skipped by searching again to its left.
+- suffix (`SuffixProposer`, suffix_drafting.py): suffix trees of the request's tokens and of recent requests'
+  outputs, the most frequent continuation of the longest matched suffix.
+
+Text that repeats its context (edits, code, quotes, summaries) yields long accepted runs.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
+from typing import Protocol
 
-from hybridserve.config import SpeculativeConfig
+from hybridserve.speculative import SpeculativeConfig
 
 _ITEM = 4  # bytes per packed token id
+
+
+class Proposer(Protocol):
+    num_speculative_tokens: int
+
+    def propose(self, request_id: str, prompt: Sequence[int], output: Sequence[int], max_tokens: int) -> list[int]:
+        """At most `max_tokens` tokens to follow the request's `prompt` and `output` so far (which only grow
+        between calls)."""
+        ...
+
+    def finish(self, request_id: str, output: Sequence[int]) -> None:
+        """The request ended: what was kept for it goes; `output` (empty: nothing worth keeping) is what it
+        produced."""
+        ...
+
+
+def unseen(prompt: Sequence[int], output: Sequence[int], seen: int) -> Sequence[int]:
+    """The tokens of prompt + output after the first `seen`, without concatenating the whole."""
+    if seen < len(prompt):
+        return [*prompt[seen:], *output]
+    return output[seen - len(prompt) :]
 
 
 class NgramProposer:
@@ -22,25 +51,30 @@ class NgramProposer:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+        self._packed: dict[str, bytearray] = {}  # per request: its tokens so far, as 32-bit ids
 
-    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
-        """At most `max_tokens` tokens to follow `token_ids`; none when no suffix of them occurred before."""
-        length = len(token_ids)
+    def propose(self, request_id: str, prompt: Sequence[int], output: Sequence[int], max_tokens: int) -> list[int]:
+        """None when no suffix of the tokens occurred before."""
+        packed = self._packed.setdefault(request_id, bytearray())
+        packed += array("I", unseen(prompt, output, len(packed) // _ITEM)).tobytes()
+        length = len(packed) // _ITEM
         if max_tokens < 1 or length < self.min_n + 1:
             return []
-        packed = array("I", token_ids).tobytes()
-        history = packed[: (length - 1) * _ITEM]  # an occurrence must be followed by at least one token
+        end = (length - 1) * _ITEM  # an occurrence must be followed by at least one token
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            start = _rfind_aligned(history, packed[(length - n) * _ITEM :])
+            start = _rfind_aligned(packed, bytes(packed[(length - n) * _ITEM :]), end)
             if start >= 0:
-                follow = start + n
-                return token_ids[follow : follow + max_tokens]
+                follow = (start + n) * _ITEM
+                return array("I", packed[follow : follow + max_tokens * _ITEM]).tolist()
         return []
 
+    def finish(self, request_id: str, output: Sequence[int]) -> None:
+        self._packed.pop(request_id, None)
 
-def _rfind_aligned(haystack: bytes, needle: bytes) -> int:
-    """The token index of the last occurrence of `needle` in `haystack` that starts on a token boundary, or -1."""
-    end = len(haystack)
+
+def _rfind_aligned(haystack: bytearray, needle: bytes, end: int) -> int:
+    """The token index of the last occurrence of `needle` in `haystack[:end]` that starts on a token boundary,
+    or -1."""
     while (at := haystack.rfind(needle, 0, end)) >= 0:
         if at % _ITEM == 0:
             return at // _ITEM

@@ -30,7 +30,8 @@ Speculative decoding (`--speculative-config`): a decoding request also takes the
 them in the same step; a draft never costs a preemption (the request then decodes without one). Update keeps
 the tokens the sampler accepted and moves the request's computed tokens back past the rejected ones: their KV
 slots are overwritten later, and no block holding them becomes findable (blocks are findable only up to the
-known tokens).
+known tokens). The proposer keeps what it knows of a request until the request is released (finished, aborted
+or failed); a preempted one keeps it, its tokens being the same when it resumes.
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ from collections.abc import Callable, Mapping
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.manager import KVCacheManager
-from hybridserve.engine.drafting import NgramProposer
+from hybridserve.engine.drafting import NgramProposer, Proposer
 from hybridserve.engine.kv_transfer.messages import TransferSource
 from hybridserve.engine.plan import NewRequest, ScheduledRequest, SchedulerOutput
 from hybridserve.engine.protocol import EngineCoreOutput, FinishReason, SchedulerStats, TokenLogprobs
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.sampler import SampleResult
+from hybridserve.engine.suffix_drafting import SuffixProposer
 
 
 class Scheduler:
@@ -69,7 +71,9 @@ class Scheduler:
         self.transfer_agent = ""  # this worker's NIXL agent, named in what it holds for decode workers
         self._introduced: list[NewRequest] = []  # landed since the last plan: the runner meets them next
         spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer: Proposer | None = None
+        if spec is not None:
+            self.proposer = SuffixProposer(spec) if spec.method == "suffix" else NgramProposer(spec)
         self.num_drafts = 0  # steps in which a request verified a draft
         self.num_draft_tokens = 0  # draft tokens verified
         self.num_accepted_tokens = 0  # of which accepted
@@ -221,7 +225,7 @@ class Scheduler:
         blocks = self.kv.block_ids(req.request_id)[: -(-prompt // self.kv.block_size)]
         return TransferSource(self.transfer_agent, req.request_id, blocks, slot, prompt, req.num_cached_tokens)
 
-    def _draft(self, proposer: NgramProposer, req: Request, budget: int) -> list[int]:
+    def _draft(self, proposer: Proposer, req: Request, budget: int) -> list[int]:
         """The tokens proposed after a decoding request's last one: at most what the step's `budget` leaves
         after that token and one fewer than the request may still produce (the token sampled after an accepted
         draft is one more). None while it prefills, nor under a grammar (the mask would have to advance over the
@@ -231,7 +235,7 @@ class Scheduler:
         if self.kv.snapshots is not None and req.num_tokens % self.kv.block_size == 0:
             return []  # a step ending at a block boundary snapshots the recurrent state there: no draft past it
         room = min(proposer.num_speculative_tokens, budget - 1, req.max_output_tokens - len(req.output_token_ids) - 1)
-        return proposer.propose(req.all_token_ids, room)
+        return proposer.propose(req.request_id, req.prompt_token_ids, req.output_token_ids, room)
 
     def _chunk(self, req: Request, start: int, budget: int) -> int:
         """The next chunk of `req` from `start` within `budget`: at most long_prefill_token_threshold tokens,
@@ -388,6 +392,9 @@ class Scheduler:
 
     def _release(self, req: Request, seen: bool) -> None:
         self.kv.free(req)
+        if self.proposer is not None:  # what it produced, unless the engine failed it, may be drafted from
+            failed = req.finish_reason is FinishReason.ERROR
+            self.proposer.finish(req.request_id, () if failed else req.output_token_ids)
         del self.requests[req.request_id]
         self._blocks_sent.pop(req.request_id, None)
         if seen:

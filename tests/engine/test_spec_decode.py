@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from hybridserve.config import EngineConfig, SpeculativeConfig, parse_speculative_config
+from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.manager import KVCacheManager
 from hybridserve.engine.drafting import NgramProposer
 from hybridserve.engine.fanout import expand
@@ -23,6 +23,7 @@ from hybridserve.sampling_params import InvalidParameter, SamplingParams, Struct
 from hybridserve.serving.cli import parse_args
 from hybridserve.serving.flags import model_configs
 from hybridserve.serving.metrics import ServingMetrics
+from hybridserve.speculative import SpeculativeConfig, parse_speculative_config
 
 NGRAM = SpeculativeConfig("ngram", 4)
 TEXT = "The quick brown fox jumps over the lazy dog while the farmer sleeps under the old oak tree."
@@ -72,24 +73,42 @@ def test_serve_flag(capsys):
 # --- drafting --------------------------------------------------------------------------------------------------
 
 
+def _propose(proposer: NgramProposer, tokens: list[int], max_tokens: int) -> list[int]:
+    """A fresh request's draft after `tokens`; the proposer forgets it again."""
+    draft = proposer.propose("r", tokens, [], max_tokens)
+    proposer.finish("r", [])
+    return draft
+
+
 def test_proposer_takes_the_longest_suffix_at_its_most_recent_occurrence():
     proposer = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_max=3, prompt_lookup_min=1))
     # "7 8 9" occurs at 0 (followed by 1 2 3) and at 5 (followed by 4 5 6): the most recent one wins.
     tokens = [7, 8, 9, 1, 2, 7, 8, 9, 4, 5, 6, 0, 7, 8, 9]
-    assert proposer.propose(tokens, 3) == [4, 5, 6]
-    assert proposer.propose(tokens, 2) == [4, 5]
+    assert _propose(proposer, tokens, 3) == [4, 5, 6]
+    assert _propose(proposer, tokens, 2) == [4, 5]
     # Only "9" is found again (n = 1): what followed its last earlier occurrence.
-    assert proposer.propose([9, 3, 5, 1, 9], 3) == [3, 5, 1]
-    assert proposer.propose([1, 2, 3, 4], 3) == []  # nothing repeats
-    assert proposer.propose([1, 2, 1], 0) == []
-    assert proposer.propose([5, 5], 4) == [5]  # what follows is cut at the end of the tokens
+    assert _propose(proposer, [9, 3, 5, 1, 9], 3) == [3, 5, 1]
+    assert _propose(proposer, [1, 2, 3, 4], 3) == []  # nothing repeats
+    assert _propose(proposer, [1, 2, 1], 0) == []
+    assert _propose(proposer, [5, 5], 4) == [5]  # what follows is cut at the end of the tokens
 
 
 def test_proposer_matches_only_on_token_boundaries():
     proposer = NgramProposer(SpeculativeConfig("ngram", 2, prompt_lookup_max=1, prompt_lookup_min=1))
     # Packed as 32-bit little-endian, 0x02010000 then 0 hold the bytes of 0x0201 across their boundary.
-    assert proposer.propose([0x02010000, 0, 0x0201], 2) == []
-    assert proposer.propose([0x0201, 0x02010000, 0, 0x0201], 2) == [0x02010000, 0]
+    assert _propose(proposer, [0x02010000, 0, 0x0201], 2) == []
+    assert _propose(proposer, [0x0201, 0x02010000, 0, 0x0201], 2) == [0x02010000, 0]
+
+
+def test_proposer_appends_a_request_s_new_tokens_and_forgets_it_when_it_ends():
+    proposer = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_max=2))
+    prompt = [1, 2, 3, 4]
+    assert proposer.propose("a", prompt, [9], 3) == []
+    assert proposer.propose("b", [7, 7], [], 3) == [7]  # requests apart
+    assert proposer.propose("a", prompt, [9, 1, 2], 3) == [3, 4, 9]  # the prompt was not packed again
+    assert len(proposer._packed["a"]) == 7 * 4
+    proposer.finish("a", [9, 1, 2])
+    assert list(proposer._packed) == ["b"]
 
 
 # --- the scheduler: drafts in the plan, rejections rolled back ---------------------------------------------------
