@@ -26,10 +26,12 @@ from hybridserve.models.cache_specs import AttentionSpec, CacheLayout, LinearSta
 from hybridserve.models.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, StateMetadata
 from hybridserve.models.layers.linear import can_pack, pack_linears
 from hybridserve.models.layers.native import (
+    KDADecode,
     KernelUnavailable,
     LinearKernels,
     PagedAttention,
     load_fused_ops,
+    load_kda_decode,
     load_linear_kernels,
     load_paged_attention,
     use_native_ops,
@@ -147,6 +149,7 @@ class ModelRunner:
             next(states) if isinstance(s, LinearStateSpec) else next(paged) for s in self.layout.layer_specs
         ]
         self.attention_kernels: PagedAttention | None = None
+        self.state_kernel: KDADecode | None = None
         if config.native_kernels and self.device.type == "cpu":
             self._load_native_kernels()
         self.sampler = Sampler(self.vocab_size)
@@ -166,12 +169,18 @@ class ModelRunner:
 
     def _load_native_kernels(self) -> None:
         """C kernels for this model on CPU: paged attention (decode, rotary + cache write) for its attention
-        layers and the fused element-wise ops. Each falls back to PyTorch ops, with a warning naming why, if
-        it cannot be built."""
+        layers, the KDA decode step for its linear-attention layers and the fused element-wise ops. Each
+        falls back to PyTorch ops, with a warning naming why, if it cannot be built."""
         try:
             use_native_ops(self.model, load_fused_ops())
         except KernelUnavailable as exc:
             logger.warning("element-wise ops stay PyTorch ops: %s", exc)
+        head_dims = {s.head_dim for s in self.layout.state_specs}
+        if len(head_dims) == 1:
+            try:
+                self.state_kernel = load_kda_decode(head_dims.pop())
+            except KernelUnavailable as exc:
+                logger.warning("KDA decode falls back to PyTorch ops: %s", exc)
         specs = {s for s in self.layout.paged_specs if isinstance(s, AttentionSpec)}
         if len(specs) != 1:
             return
@@ -272,7 +281,7 @@ class ModelRunner:
         states = None
         if self.state_tensors is not None:
             decode_slots = torch.tensor(decode_states, device=dev) if decode_states else None
-            states = StateMetadata(decode_slots, prefill_states)
+            states = StateMetadata(decode_slots, prefill_states, self.state_kernel)
         return AttentionMetadata(torch.tensor(slots, device=dev), decode, prefills, states, self.attention_kernels)
 
     @torch.inference_mode()

@@ -21,6 +21,7 @@ from hybridserve.models.layers.depth_mix import DepthMix, DepthStream
 from hybridserve.models.layers.kda import KDAConfig, KimiDeltaAttention
 from hybridserve.models.layers.mla import MLAConfig, MultiheadLatentAttention
 from hybridserve.models.layers.moe import GatedMLP, MoEConfig, SparseMoE
+from hybridserve.models.layers.norm import RMSNorm
 
 LayerCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -82,27 +83,26 @@ class KimiDecoderLayer(nn.Module):
             if config.mlp_layer_types[layer_idx] == "sparse"
             else GatedMLP(config.hidden_size, config.intermediate_size)
         )
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if depth_mix:
             self.self_attention_res = DepthMix(config.hidden_size, config.rms_norm_eps)
             self.mlp_res = DepthMix(config.hidden_size, config.rms_norm_eps)
 
-    def mixer(self, x: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
-        return self.self_attn(self.input_layernorm(x), cache, meta)
-
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.post_attention_layernorm(x))
-
-    def forward(self, x: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
-        """The residual-sum form (Kimi Linear)."""
-        x = x + self.mixer(x, cache, meta)
-        return x + self.ffn(x)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cache: LayerCache, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual-sum form (Kimi Linear), with each residual add folded into the next norm as in
+        llama.py. x: the previous layer's MLP output (the embeddings for the first layer, with no residual
+        yet); residual: the stream before it. Returns this layer's MLP output and the stream before it."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cache, meta), residual)
+        return self.mlp(h), residual
 
     def forward_depth_mix(self, stream: DepthStream, cache: LayerCache, meta: AttentionMetadata) -> None:
         """The block attention residual form (K3): each sublayer reads a depth mix of the stream."""
-        stream.add(self.mixer(self.self_attention_res(stream.values()), cache, meta))
-        stream.add(self.ffn(self.mlp_res(stream.values())))
+        stream.add(self.self_attn(self.input_layernorm(self.self_attention_res(stream.values()))[0], cache, meta))
+        stream.add(self.mlp(self.post_attention_layernorm(self.mlp_res(stream.values()))[0]))
 
 
 class KimiLinearModel(nn.Module):
@@ -114,22 +114,23 @@ class KimiLinearModel(nn.Module):
         depth_mix = self.block_size is not None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(KimiDecoderLayer(config, i, depth_mix) for i in range(config.num_hidden_layers))
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if depth_mix:
             self.output_res = DepthMix(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, caches: list[LayerCache], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.block_size is None:
+            residual = None
             for layer, cache in zip(self.layers, caches, strict=True):
-                x = layer(x, cache, meta)
-            return self.norm(x)
+                x, residual = layer(x, residual, cache, meta)
+            return self.norm(x, residual)[0]
         stream = DepthStream(x)
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             layer.forward_depth_mix(stream, cache, meta)
             if (i + 1) % self.block_size == 0:
                 stream.seal()
-        return self.norm(self.output_res(stream.values()))  # mix, then norm
+        return self.norm(self.output_res(stream.values()))[0]  # mix, then norm
 
 
 class KimiLinearForCausalLM(nn.Module):

@@ -16,8 +16,15 @@ DECODE_STEPS = 32
 TOLERANCE = 2e-4
 
 
-def _runner(hf_dir) -> ModelRunner:
-    config = EngineConfig(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, num_state_slots=2)
+def _runner(hf_dir, native_kernels: bool = True) -> ModelRunner:
+    config = EngineConfig(
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=64,
+        num_state_slots=2,
+        native_kernels=native_kernels,
+    )
     return ModelRunner(config, hf_dir)
 
 
@@ -32,9 +39,13 @@ def hf_kimi(kimi_linear_dir):
     return KimiLinearForCausalLM.from_pretrained(kimi_linear_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def runner(kimi_linear_dir) -> ModelRunner:
-    return _runner(kimi_linear_dir)
+@pytest.fixture(scope="module", params=[True, False], ids=["native-kernels", "pytorch-ops"])
+def runner(kimi_linear_dir, request) -> ModelRunner:
+    """Both ways the engine computes a layer on CPU; the PyTorch-ops one is also what CUDA runs."""
+    runner = _runner(kimi_linear_dir, request.param)
+    assert (runner.state_kernel is not None) == request.param
+    assert (runner.model.model.norm.native is not None) == request.param
+    return runner
 
 
 def _reference(hf_model, ids: list[int]) -> torch.Tensor:
@@ -73,10 +84,11 @@ def test_transformers_in_memory_names_load_the_same_model(runner, hf_kimi, tmp_p
     assert diff.abs().max().item() < 1e-5
 
 
-def test_k3_prefill_equals_token_by_token_decode(kimi_k3_dir):
+@pytest.mark.parametrize("native_kernels", [True, False], ids=["native-kernels", "pytorch-ops"])
+def test_k3_prefill_equals_token_by_token_decode(kimi_k3_dir, native_kernels):
     """The chunked (prefill) and recurrent (decode) KDA forms, the MLA prefill and absorbed-decode paths and
     the depth mix agree on the K3 checkpoint, which has no reference implementation."""
-    runner = _runner(kimi_k3_dir)
+    runner = _runner(kimi_k3_dir, native_kernels)
     ids = _ids(50, seed=3)
     whole = chunked_logits(runner, ids, [len(ids)])
     stepwise = chunked_logits(runner, ids, list(range(1, len(ids) + 1)))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hybridserve.models.layers.native import PagedAttention
+from hybridserve.models.layers.native import KDADecode, PagedAttention
 from hybridserve.models.layers.rope import RotaryEmbedding
 
 
@@ -46,6 +46,7 @@ class StateMetadata:
 
     decode_slots: torch.Tensor | None  # [B], aligned with DecodeGroup.token_index
     prefill_slots: list[int]  # aligned with AttentionMetadata.prefills
+    kernel: KDADecode | None = None  # the native KDA decode step (CPU); None: kda_recurrent
 
 
 @dataclass

@@ -137,9 +137,13 @@ class KimiDeltaAttention(nn.Module):
             conv_state.index_copy_(0, slots, window[..., 1:])
             mixed = F.silu((window * conv_w).sum(-1))  # [B, 3*dim]
             q, k, v = self._heads(mixed)
-            st = state.index_select(0, slots)
-            o = kda_recurrent(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), st)
-            state.index_copy_(0, slots, st)
+            g_rows, beta_rows = g.index_select(0, rows), beta.index_select(0, rows)
+            if s.kernel is not None:
+                o = s.kernel.decode(q, k, v, g_rows, beta_rows, state, slots)
+            else:
+                st = state.index_select(0, slots)
+                o = kda_recurrent(q, k, v, g_rows, beta_rows, st)
+                state.index_copy_(0, slots, st)
             out.index_copy_(0, rows, o)
         for p, slot in zip(meta.prefills, s.prefill_slots, strict=True):
             seq = torch.cat((conv_state[slot], qkv[p.start : p.end].T), dim=-1)  # [3*dim, kernel-1+n]

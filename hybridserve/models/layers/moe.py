@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.models.layers.native import FusedOps
+
 
 @dataclass
 class MoEConfig:
@@ -27,6 +29,14 @@ class MoEConfig:
     routed_scaling_factor: float
 
 
+def silu_mul(gate_up: torch.Tensor, native: FusedOps | None) -> torch.Tensor:
+    """silu(gate) * up of [rows, 2 * I] (gate first): one native pass when `native` can take it."""
+    if native is not None and native.supports(gate_up):
+        return native.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class GatedMLP(nn.Module):
     """SiLU-gated MLP; gate and up projections are one matmul (`gate_up_proj`, packed by the loader)."""
 
@@ -34,10 +44,10 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.native: FusedOps | None = None  # set by use_native_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x), self.native))
 
 
 class Router(nn.Module):
@@ -72,6 +82,7 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(c.num_experts, 2 * c.intermediate_size, c.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, c.intermediate_size))
+        self.native: FusedOps | None = None  # set by use_native_ops
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each token's k experts, weighted; tokens are grouped by expert so each expert runs one matmul."""
@@ -86,8 +97,7 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             rows = tokens[start : start + n]
-            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            y = F.linear(silu_mul(F.linear(x[rows], self.gate_up_proj[expert]), self.native), self.down_proj[expert])
             out.index_add_(0, rows, (y.float() * routed_weights[start : start + n]).to(x.dtype))
             start += n
         return out

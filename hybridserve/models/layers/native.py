@@ -4,7 +4,9 @@ Stock PyTorch ops cannot read a paged KV cache in place: decode attention would 
 request's blocks into a dense buffer (a copy as large as the live KV, per layer and step) and then read
 it back. `paged_attention.c` reads the blocks where they are, and rotates a step's queries and keys while
 writing its keys and values into the cache. `fused_ops.c` does a layer's element-wise chains (residual
-add + RMSNorm, SiLU-and-multiply) in one pass each instead of up to nine small ops.
+add + RMSNorm, SiLU-and-multiply) in one pass each instead of up to nine small ops. `kda_decode.c` steps
+Kimi Delta Attention's recurrent states in place in the state pool, instead of gathering them, updating
+them in a dozen batched ops and scattering them back.
 
 Each source is compiled once per (source and the shared cpu_math.h, compiler, CPU, compile-time shape)
 with the system C compiler (`$CC`, default `cc`) into the cache directory, so later starts only load it
@@ -212,6 +214,68 @@ class LinearKernels:
         return y
 
 
+class KDADecode:
+    """The KDA decode step (kda.kda_recurrent) for one head_dim, on the state pool's slots in place."""
+
+    def __init__(self, library: Path, head_dim: int) -> None:
+        self.head_dim = head_dim
+        self._decode = _function(
+            ctypes.CDLL(str(library)), "kda_decode_f32", [_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I], _I
+        )
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token per request, all float32 on CPU. q, k, v, g: [B, H, d], rows may be strided (q, k, v
+        are views of the convolution's output) but each row's heads contiguous; beta: [B, H]; states: the
+        pool's [slots, H, d, d] contiguous, updated in place at `slots` ([B] int64, distinct). q is already
+        scaled. Returns o: [B, H, d]."""
+        b, h, d = q.shape
+        shapes = (k.shape, v.shape, g.shape, beta.shape, states.shape[1:], slots.shape)
+        if d != self.head_dim or shapes != ((b, h, d),) * 3 + ((b, h), (h, d, d), (b,)):
+            raise ValueError(
+                f"kernel built for head_dim {self.head_dim}; got q {tuple(q.shape)}, k, v, g, beta, states[1:], "
+                f"slots {[tuple(x) for x in shapes]}"
+            )
+        if not states.is_contiguous() or slots.dtype != torch.int64 or slots.device.type != "cpu":
+            raise ValueError(
+                f"states must be contiguous and slots int64 on CPU, got strides {states.stride()}, slots "
+                f"{slots.dtype} on {slots.device}"
+            )
+        q, k, v = (x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous() for x in (q, k, v))
+        g, beta, slots = g.contiguous(), beta.contiguous(), slots.contiguous()
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("states", states)):
+            if x.dtype != torch.float32 or x.device.type != "cpu":
+                raise ValueError(f"{name} must be float32 on CPU, got {x.dtype} on {x.device}")
+        out = torch.empty((b, h, d), dtype=torch.float32)
+        bad = self._decode(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            g.data_ptr(),
+            beta.data_ptr(),
+            states.data_ptr(),
+            states.shape[0],
+            slots.data_ptr(),
+            out.data_ptr(),
+            b,
+            h,
+        )
+        if bad >= 0:
+            raise ValueError(f"state slot {slots[bad].item()} (row {bad}) is outside the pool's {states.shape[0]}")
+        return out
+
+
 def load_paged_attention(
     dtype: torch.dtype, head_dim: int, block_size: int, group: int, *, portable: bool = False
 ) -> PagedAttention:
@@ -233,6 +297,11 @@ def load_fused_ops() -> FusedOps:
 def load_linear_kernels() -> LinearKernels:
     """The float32 matmul kernels, built on first use. Raises KernelUnavailable naming the reason."""
     return LinearKernels(_build("linear", {}))
+
+
+def load_kda_decode(head_dim: int) -> KDADecode:
+    """The KDA decode step for this head_dim, built on first use. Raises KernelUnavailable naming the reason."""
+    return KDADecode(_build("kda_decode", {"HEAD_DIM": head_dim}), head_dim)
 
 
 def _function(lib: ctypes.CDLL, name: str, argtypes: list[type], restype: type | None = None) -> Callable[..., Any]:
