@@ -108,8 +108,9 @@ class EngineConfig:
     )
     native_kernels: bool = setting(
         True,
-        "on CPU, run decode attention and fused element-wise ops as C kernels built at start-up with the system C "
-        "compiler ($CC, default cc); PyTorch ops if they cannot be built, and always on CUDA",
+        "on CPU, run decode attention, the KDA decode step, fused element-wise ops and float32 matmuls as C kernels "
+        "built at start-up with the system C compiler ($CC, default cc); PyTorch ops if they cannot be built, and "
+        "always on CUDA",
     )
     speculative_config: SpeculativeConfig | None = setting(
         None,
