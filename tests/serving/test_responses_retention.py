@@ -83,7 +83,8 @@ def test_age_eviction_uses_the_store_clock(app_for):
     store.clock = lambda: first["created_at"] + 100  # exactly max_age old: kept
     second = client.post("/v1/responses", json={"input": "Two?"}).json()
     assert_kept(client, first)
-    store.clock = lambda: first["created_at"] + 101
+    # created_at is wall-clock seconds: the second response may be a second younger than the first
+    store.clock = lambda: second["created_at"] + 101
     third = client.post("/v1/responses", json={"input": "Three?", "previous_response_id": second["id"]}).json()
     assert third["status"] == "completed"
     # every response created at or before now - 100 is gone, except the one this put stored
