@@ -7,11 +7,11 @@ matmul each (`packed_modules`), packed by the loader.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from hybridserve.models.cache_specs import AttentionSpec
+from hybridserve.models.layers.activation import silu_mul
 from hybridserve.models.layers.attention import AttentionMetadata, paged_attention, rope_and_cache
 from hybridserve.models.layers.native import FusedOps
 from hybridserve.models.layers.norm import RMSNorm
@@ -62,11 +62,7 @@ class LlamaMLP(nn.Module):
         self.native: FusedOps | None = None  # set by use_native_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.native is not None and self.native.supports(gate_up):
-            return self.down_proj(self.native.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x), self.native))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.models.layers.activation import silu_mul
 from hybridserve.models.layers.native import FusedOps
 
 
@@ -27,14 +28,6 @@ class MoEConfig:
     topk_group: int
     renormalize: bool
     routed_scaling_factor: float
-
-
-def silu_mul(gate_up: torch.Tensor, native: FusedOps | None) -> torch.Tensor:
-    """silu(gate) * up of [rows, 2 * I] (gate first): one native pass when `native` can take it."""
-    if native is not None and native.supports(gate_up):
-        return native.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class GatedMLP(nn.Module):
