@@ -156,15 +156,18 @@ class ModelRunner:
         self.requests: dict[str, _RunnerRequest] = {}  # every request an earlier plan scheduled and none finished
 
     def _linear_kernels(self, config: EngineConfig) -> LinearKernels | None:
-        """The native float32 matmuls for the linear layers, or None (oneDNN's then) with a warning naming why."""
-        if not config.native_kernels or self.dtype != torch.float32:
+        """The native matmuls for the linear layers, or None (oneDNN's then) with a log line naming why."""
+        if not config.native_kernels:
             return None
         try:
             kernels = load_linear_kernels()
         except KernelUnavailable as exc:
             logger.warning("linear layers use oneDNN: %s", exc)
             return None
-        logger.info("linear layers: native float32 kernels (panels of %d columns)", kernels.panel_width)
+        if self.dtype not in kernels.dtypes:
+            logger.info("linear layers use oneDNN: no native %s kernel on this CPU (needs AVX512-BF16)", self.dtype)
+            return None
+        logger.info("linear layers: %s", kernels.describe(self.dtype))
         return kernels
 
     def _load_native_kernels(self) -> None:

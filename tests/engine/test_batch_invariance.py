@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hybridserve.engine.llm import LLM
+from hybridserve.models.layers.native import KernelUnavailable, load_linear_kernels
 from hybridserve.sampling_params import SamplingParams
 
 TOPICS = [
@@ -100,4 +102,18 @@ def test_pytorch_ops_give_the_same_tokens(smollm2_dir, reference):
     prompts, alone = reference
     llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", native_kernels=False)
     assert llm.core.runner.attention_kernels is None
+    assert _run(llm, prompts) == alone
+
+
+def test_bfloat16_batch_of_16_equals_each_alone(smollm2_dir):
+    """bfloat16 on a CPU with native bf16 matmuls (the default dtype there): every kernel of the step sums a
+    row on its own, so a batch of 16 gives each request the tokens it gets alone."""
+    try:
+        if torch.bfloat16 not in load_linear_kernels().dtypes:
+            pytest.skip("no native bfloat16 matmul on this CPU (needs AVX512-BF16)")
+    except KernelUnavailable as exc:
+        pytest.skip(str(exc))
+    llm = LLM(str(smollm2_dir), dtype="bfloat16", device="cpu", enable_prefix_caching=False)
+    prompts = _prompts(llm)
+    alone = [_run(llm, [p])[0] for p in prompts]
     assert _run(llm, prompts) == alone

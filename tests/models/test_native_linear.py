@@ -1,5 +1,6 @@
-"""The native float32 matmul kernel (linear.c) against float64 references, its batch invariance, and where the
-runner uses it."""
+"""The native matmul kernels (linear.c) against float64 references, their batch invariance, and where the
+runner uses them. bfloat16 runs where the CPU has AVX512-BF16: on AMX's tiles when K is a multiple of 32 and
+AMX is there, else on the AVX512-BF16 register tile; the shapes below take both."""
 
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ def kernels() -> LinearKernels:
     return load_linear_kernels()
 
 
+def _need(kernels: LinearKernels, dtype: torch.dtype) -> None:
+    if dtype not in kernels.dtypes:
+        pytest.skip(f"no native {dtype} kernel on this CPU (needs AVX512-BF16)")
+
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+
+
+@DTYPES
 @pytest.mark.parametrize(
     ("m", "k", "n", "bias"),
     [
@@ -23,35 +33,51 @@ def kernels() -> LinearKernels:
         (6, 33, 40, True),
         (7, 5, 7, True),
         (13, 576, 49, False),
+        (17, 64, 50, True),
         (64, 1536, 576, True),
         (200, 64, 33, False),
         (0, 16, 16, True),
     ],
 )
-def test_matches_a_float64_matmul(kernels: LinearKernels, m: int, k: int, n: int, bias: bool) -> None:
+def test_matches_a_float64_matmul(
+    kernels: LinearKernels, dtype: torch.dtype, m: int, k: int, n: int, bias: bool
+) -> None:
+    _need(kernels, dtype)
     gen = torch.Generator().manual_seed(m * 1000 + n)
-    w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+    w, x = torch.randn(n, k, generator=gen).to(dtype), torch.randn(m, k, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen) if bias else None
     y = kernels.linear(x, kernels.pack(w), n, b)
     ref = x.double() @ w.double().T + (0 if b is None else b.double())
-    assert y.shape == (m, n) and y.dtype == torch.float32
-    torch.testing.assert_close(y.double(), ref, rtol=0, atol=2e-6 * k**0.5 * 4)
+    assert y.shape == (m, n) and y.dtype == dtype
+    # float32: the summation's rounding; bfloat16: float32 sums rounded once to bf16 (half an ulp, 2^-9)
+    rtol, atol = (0, 8e-6 * k**0.5) if dtype == torch.float32 else (2**-8, 1e-5 * k**0.5)
+    torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=atol)
 
 
-def test_rows_may_be_strided(kernels: LinearKernels) -> None:
-    """A slice of a wider projection (rows apart by more than K) is read where it is."""
+@DTYPES
+def test_rows_may_be_strided(kernels: LinearKernels, dtype: torch.dtype) -> None:
+    """A slice of a wider projection (rows apart by more than K) is read where it is; with an odd K the element
+    after each row (here a NaN) is never part of a sum."""
+    _need(kernels, dtype)
     gen = torch.Generator().manual_seed(1)
-    wide, w = torch.randn(9, 100, generator=gen), torch.randn(20, 64, generator=gen)
-    x = wide[:, 10:74]
-    assert x.stride(0) == 100
-    torch.testing.assert_close(kernels.linear(x, kernels.pack(w), 20, None), x @ w.T, rtol=1e-6, atol=1e-5)
+    for k in (64, 33):
+        wide, w = torch.randn(9, 100, generator=gen).to(dtype), torch.randn(20, k, generator=gen).to(dtype)
+        wide[:, 10 + k] = float("nan")
+        x = wide[:, 10 : 10 + k]
+        assert x.stride(0) == 100
+        y = kernels.linear(x, kernels.pack(w), 20, None)
+        torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=2**-8, atol=1e-4)
 
 
-def test_a_row_is_bitwise_the_same_in_any_batch(kernels: LinearKernels) -> None:
+@DTYPES
+@pytest.mark.parametrize("k", [576, 100])
+def test_a_row_is_bitwise_the_same_in_any_batch(kernels: LinearKernels, dtype: torch.dtype, k: int) -> None:
     """Each output is one sum in a fixed order: alone, in a batch of 37 at any place, or in a chunk of rows
-    past the kernel's 96-row blocks, a row gets the same bits."""
+    past the kernel's 96-row blocks (bf16 with AMX: in a block of 16 with other rows or padded), a row gets
+    the same bits."""
+    _need(kernels, dtype)
     gen = torch.Generator().manual_seed(2)
-    w, batch = torch.randn(100, 576, generator=gen), torch.randn(230, 576, generator=gen)
+    w, batch = torch.randn(100, k, generator=gen).to(dtype), torch.randn(230, k, generator=gen).to(dtype)
     packed = kernels.pack(w)
     together = kernels.linear(batch, packed, 100, None)
     for row in (0, 5, 36, 97, 229):
@@ -63,24 +89,31 @@ def test_a_row_is_bitwise_the_same_in_any_batch(kernels: LinearKernels) -> None:
 
 def test_bad_inputs_name_what_is_wrong(kernels: LinearKernels) -> None:
     packed = kernels.pack(torch.ones(8, 16))
-    with pytest.raises(ValueError, match=r"input must be float32 \[M, 16\].*torch.bfloat16 \(2, 16\)"):
+    with pytest.raises(ValueError, match=r"input must be torch.float32 \[M, K\].*got torch.bfloat16 \(2, 16\)"):
         kernels.linear(torch.ones(2, 16, dtype=torch.bfloat16), packed, 8, None)
-    with pytest.raises(ValueError, match=r"input must be float32 \[M, 16\].*\(2, 12\)"):
+    with pytest.raises(ValueError, match=r"panels \(1, 16, \d+\).*got torch.float32 \(2, 12\)"):
         kernels.linear(torch.ones(2, 12), packed, 8, None)
-    with pytest.raises(ValueError, match=r"packing needs a 2-D float32 CPU weight, got torch.float16 \(8, 16\)"):
+    with pytest.raises(ValueError, match=r"bias must be contiguous float32 \[8\], got torch.float32 \(7,\)"):
+        kernels.linear(torch.ones(2, 16), packed, 8, torch.ones(7))
+    with pytest.raises(
+        ValueError, match=r"packing needs a 2-D CPU weight of torch.float32.*got torch.float16 \(8, 16\)"
+    ):
         kernels.pack(torch.ones(8, 16, dtype=torch.float16))
 
 
-def test_pack_linears_swaps_every_float32_linear_for_the_kernel(kernels: LinearKernels) -> None:
+@DTYPES
+def test_pack_linears_swaps_every_linear_for_the_kernel(kernels: LinearKernels, dtype: torch.dtype) -> None:
+    _need(kernels, dtype)
     torch.manual_seed(3)
-    model = nn.Sequential(nn.Linear(24, 40), nn.Sequential(nn.Linear(40, 8, bias=False)))
-    x = torch.randn(2, 3, 24)  # leading dimensions are kept
+    model = nn.Sequential(nn.Linear(24, 40), nn.Sequential(nn.Linear(40, 8, bias=False))).to(dtype)
+    x = torch.randn(2, 3, 24).to(dtype)  # leading dimensions are kept
     expected = model[1][0](model[0](x))
     pack_linears(model, kernels)
     assert isinstance(model[0], NativeLinear) and isinstance(model[1][0], NativeLinear)
     out = model[1][0](model[0](x))
-    assert out.shape == (2, 3, 8)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert out.shape == (2, 3, 8) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: nn.Linear rounds the first layer's sums alike, not its order
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
 
 
 def test_without_kernels_every_linear_is_packed_for_onednn() -> None:

@@ -1,4 +1,5 @@
-/* float32 matmuls of the linear layers, y = x W^T + b, for the batch sizes a serving step has (CPU).
+/* Matmuls of the linear layers, y = x W^T + b, for the batch sizes a serving step has (CPU): float32 first,
+ * bfloat16 (AVX512-BF16 and AMX) below.
  *
  * oneDNN's float32 GEMM on an AVX2 CPU reaches 50-60% of its square-matrix throughput at 8-32 rows and a
  * third of the read bandwidth at one row (the head: 49152 x 576). This kernel is the textbook register tile
@@ -110,3 +111,216 @@ void linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const fl
         }
     }
 }
+
+/* bfloat16: the same panels and tile, summed with the CPU's bf16 dot-product instruction (AVX512-BF16), which
+ * multiplies pairs of bf16 along k and adds both products to a float32 accumulator. A panel holds NRB columns
+ * as [ceil(k / 2)][NRB][2]: per pair of k, two vectors of 16 (column, k pair) elements. Rows accumulate in
+ * float32 over k in order, pair by pair, and are rounded to bf16 once (nearest even), so a row's result still
+ * does not depend on its batch. */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#define NRB 32  /* output columns per bf16 panel: two vectors of 16 float32 accumulators */
+#define MRB 12  /* rows per bf16 register tile: 24 accumulators, two weight vectors and a broadcast */
+
+int64_t linear_bf16_panel_width(void) { return NRB; }
+
+/* w: [n, k] bf16 row-major; packed: [ceil(n / NRB), ceil(k / 2), NRB, 2], the columns past n and the k past
+ * an odd k zero. */
+void linear_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* packed) {
+    const int64_t panels = (n + NRB - 1) / NRB, pairs = (k + 1) / 2;
+#pragma omp parallel for if (n * k >= PARALLEL_MIN_WORK)
+    for (int64_t p = 0; p < panels; p++) {
+        uint16_t* dst = packed + p * pairs * NRB * 2;
+        for (int64_t c = 0; c < NRB; c++) {
+            const int64_t row = p * NRB + c;
+            for (int64_t i = 0; i < 2 * pairs; i++)
+                dst[(i / 2) * NRB * 2 + c * 2 + (i & 1)] = row < n && i < k ? w[row * k + i] : 0;
+        }
+    }
+}
+
+/* x[2i], x[2i + 1] of a row as one 32-bit lane in every position; past an odd k the second is zero (the
+ * panel's weight there is zero too, but x's next element could be anything, a NaN included). */
+static inline __m512bh pair(const uint16_t* x, int64_t i, int64_t k) {
+    uint32_t two;
+    if (2 * i + 1 < k)
+        memcpy(&two, x + 2 * i, sizeof two);
+    else
+        two = x[2 * i];
+    return (__m512bh)_mm512_set1_epi32((int)two);
+}
+
+/* Rows y[0..rows) of a panel's two 16-column halves from the float32 tiles c0, c1 ([16][16] each): + bias,
+ * rounded to bf16 (nearest even), the ncols valid stored. */
+static void store_bf16_rows(const float* c0, const float* c1, int rows, const float* bias, uint16_t* y,
+                            int64_t y_stride, int64_t ncols) {
+    const __mmask16 m0 = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1);
+    const __mmask16 m1 = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
+    const __m512 b0 = bias != 0 ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias != 0 ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const __m256bh lo = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c0 + r * 16), b0));
+        const __m256bh hi = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c1 + r * 16), b1));
+        _mm256_mask_storeu_epi16(y + r * y_stride, m0, (__m256i)lo);
+        _mm256_mask_storeu_epi16(y + r * y_stride + 16, m1, (__m256i)hi);
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_bf16(int mr, const uint16_t* x, int64_t x_stride,
+                                                            const uint16_t* panel, int64_t k, const float* bias,
+                                                            uint16_t* y, int64_t y_stride, int64_t ncols) {
+    __m512 acc[MRB][2];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t pairs = (k + 1) / 2;
+    for (int64_t i = 0; i < pairs; i++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + i * NRB * 2);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + i * NRB * 2 + 32);
+        for (int r = 0; r < mr; r++) {
+            const __m512bh a = pair(x + r * x_stride, i, k);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+        }
+    }
+    float c0[MRB * 16] __attribute__((aligned(64))), c1[MRB * 16] __attribute__((aligned(64)));
+    for (int r = 0; r < mr; r++) {
+        _mm512_store_ps(c0 + r * 16, acc[r][0]);
+        _mm512_store_ps(c1 + r * 16, acc[r][1]);
+    }
+    store_bf16_rows(c0, c1, mr, bias, y, y_stride, ncols);
+}
+
+static void tile_rows_bf16(int mr, const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t k,
+                           const float* bias, uint16_t* y, int64_t y_stride, int64_t ncols) {
+    switch (mr) {
+#define ROWS(n) \
+    case n: tile_bf16(n, x, x_stride, panel, k, bias, y, y_stride, ncols); break;
+        ROWS(12) ROWS(11) ROWS(10) ROWS(9) ROWS(8) ROWS(7) ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2)
+#undef ROWS
+        default: tile_bf16(1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;
+    }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+/* AMX: a tile multiply takes 16 rows x 32 k of x against 32 k x 16 columns of W, whose layout, pairs of k
+ * per column, is the panel's own: a panel half over 16 pairs is a tile of 16 rows 128 bytes apart. Rows go
+ * in blocks of 16, two blocks at a time against the same two weight tiles (tiles 0-3 the sums, 4-5 x, 6-7 W);
+ * the rows past the last whole block are copied into a zero-padded block, so no row past m is read. A row's
+ * outputs do not depend on the other rows of its tile: each still sums its k in order, 32 a tile. */
+#define AMX_K 32
+
+static int amx_enabled = 0;
+
+/* Linux hands AMX's tile registers to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM). */
+int64_t linear_amx_init(void) {
+    if (!amx_enabled) amx_enabled = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return amx_enabled;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+static void amx_configure(void) {
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, const uint16_t* packed,
+                            int64_t n, const float* bias, uint16_t* y) {
+    const int64_t panels = (n + NRB - 1) / NRB, panel_size = k / 2 * NRB * 2;
+    const int64_t full = m / 16, blocks = (m + 15) / 16;
+    uint16_t* padded = 0;
+    if (blocks > full) {
+        padded = calloc((size_t)(16 * k), sizeof(uint16_t));
+        if (padded == 0) abort();
+        for (int64_t r = full * 16; r < m; r++) memcpy(padded + (r - full * 16) * k, x + r * x_stride, k * 2);
+    }
+#pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
+    {
+        float c[4][16 * 16] __attribute__((aligned(64)));
+        amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const uint16_t* w = packed + p * panel_size;
+            const int64_t col = p * NRB, ncols = n - col < NRB ? n - col : NRB;
+            const float* b = bias == 0 ? 0 : bias + col;
+            for (int64_t blk = 0; blk < blocks; blk += 2) {
+                const int two = blk + 1 < blocks;
+                const uint16_t* x0 = blk < full ? x + blk * 16 * x_stride : padded;
+                const uint16_t* x1 = blk + 1 < full ? x0 + 16 * x_stride : padded;
+                const int64_t s0 = (blk < full ? x_stride : k) * 2, s1 = (blk + 1 < full ? x_stride : k) * 2;
+                _tile_zero(0);
+                _tile_zero(1);
+                if (two) {
+                    _tile_zero(2);
+                    _tile_zero(3);
+                }
+                for (int64_t kk = 0; kk < k; kk += AMX_K) {
+                    _tile_loadd(6, w + kk * NRB, NRB * 4);
+                    _tile_loadd(7, w + kk * NRB + 32, NRB * 4);
+                    _tile_loadd(4, x0 + kk, s0);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (two) {
+                        _tile_loadd(5, x1 + kk, s1);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c[0], 64);
+                _tile_stored(1, c[1], 64);
+                const int64_t r0 = blk * 16, rows0 = m - r0 < 16 ? m - r0 : 16;
+                store_bf16_rows(c[0], c[1], (int)rows0, b, y + r0 * n + col, n, ncols);
+                if (two) {
+                    _tile_stored(2, c[2], 64);
+                    _tile_stored(3, c[3], 64);
+                    const int64_t r1 = r0 + 16, rows1 = m - r1 < 16 ? m - r1 : 16;
+                    store_bf16_rows(c[2], c[3], (int)rows1, b, y + r1 * n + col, n, ncols);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(padded);
+}
+#else
+int64_t linear_amx_init(void) { return 0; }
+#endif
+
+/* x: [m, k] bf16, rows x_stride apart; packed: linear_pack_bf16's panels of W [n, k]; bias: [n] float32 or
+ * NULL; y: [m, n] bf16 contiguous. AMX where linear_amx_init enabled it and k is a whole number of its
+ * tiles, else the AVX512-BF16 register tile. */
+void linear_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, const uint16_t* packed, int64_t n,
+                 const float* bias, uint16_t* y) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx_enabled && k % AMX_K == 0) {
+        linear_bf16_amx(x, x_stride, m, k, packed, n, bias, y);
+        return;
+    }
+#endif
+    const int64_t panels = (n + NRB - 1) / NRB, panel_size = (k + 1) / 2 * NRB * 2;
+#pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
+    for (int64_t m0 = 0; m0 < m; m0 += MC) {
+        const int64_t m1 = m0 + MC < m ? m0 + MC : m;
+#pragma omp for schedule(static) nowait
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t col = p * NRB, ncols = n - col < NRB ? n - col : NRB;
+            for (int64_t r = m0; r < m1; r += MRB) {
+                const int mr = (int)(m1 - r < MRB ? m1 - r : MRB);
+                tile_rows_bf16(mr, x + r * x_stride, x_stride, packed + p * panel_size, k,
+                               bias == 0 ? 0 : bias + col, y + r * n + col, n, ncols);
+            }
+        }
+    }
+}
+#else
+int64_t linear_bf16_panel_width(void) { return 0; } /* no AVX512-BF16 here: bf16 stays with oneDNN */
+#endif

@@ -1,11 +1,12 @@
 """CPU matmuls with weights packed once at start-up, swapped in for nn.Linear. CUDA keeps nn.Linear.
 
 Same math as nn.Linear, the weight laid out once for the kernel instead of on every call:
-- float32: the native kernel of linear.c (panels of output columns summed in registers), which on an AVX2
-  CPU is 1.2-1.9x oneDNN's float32 GEMM at decode batch sizes (benchmarks/native_kernels.py); every output
-  element is summed in one fixed order, so a row's result does not depend on its batch.
-- bfloat16 (and float32 without a C compiler or with native kernels off): weights pre-packed for oneDNN,
-  which is worth ~2x at batch 1 and 10-20% at batch 64 on CPUs with native bf16 matmuls.
+- the native kernels of linear.c (panels of output columns summed in registers, or in AMX tiles): float32
+  on every CPU, 1.2-1.9x oneDNN's float32 GEMM on an AVX2 CPU at decode batch sizes; bfloat16 on CPUs with
+  AVX512-BF16, 1.3-2x oneDNN's bf16 GEMM at 1-64 rows on a CPU with AMX (benchmarks/native_kernels.py).
+  Every output element is summed in one fixed order, so a row's result does not depend on its batch.
+- otherwise (no C compiler, native kernels off, bf16 without AVX512-BF16): weights pre-packed for oneDNN,
+  which is worth ~2x at batch 1 and 10-20% at batch 64 over nn.Linear.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ class PackedLinear(nn.Module):
 
 
 class NativeLinear(nn.Module):
-    """The native float32 kernel over the weight's panels; inputs of any leading shape."""
+    """The native kernel over the weight's panels (float32 or bfloat16); inputs of any leading shape."""
 
     def __init__(self, linear: nn.Linear, kernels: LinearKernels) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels = kernels
         self.panels = kernels.pack(linear.weight.detach())
-        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -53,11 +54,11 @@ def can_pack(device: torch.device) -> bool:
 
 
 def pack_linears(model: nn.Module, kernels: LinearKernels | None = None) -> None:
-    """Replace every nn.Linear in `model`, in place: by a NativeLinear where `kernels` are given and the
-    weight is float32, else by a PackedLinear."""
+    """Replace every nn.Linear in `model`, in place: by a NativeLinear where `kernels` are given and take the
+    weight's dtype, else by a PackedLinear."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            if kernels is not None and child.weight.dtype == torch.float32:
+            if kernels is not None and child.weight.dtype in kernels.dtypes:
                 setattr(model, name, NativeLinear(child, kernels))
             else:
                 setattr(model, name, PackedLinear(child))

@@ -173,35 +173,61 @@ class FusedOps:
 
 
 class LinearKernels:
-    """float32 matmuls y = x W^T + b over weights packed once into panels (linear.c)."""
+    """Matmuls y = x W^T + b over weights packed once into panels (linear.c): float32 everywhere, bfloat16
+    where the CPU has AVX512-BF16 (summed on AMX's tiles where it has those too)."""
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
-        self.panel_width = int(_function(lib, "linear_panel_width", [], _I)())
-        self._pack = _function(lib, "linear_pack_f32", [_P, _I, _I, _P])
-        self._linear = _function(lib, "linear_f32", [_P, _I, _I, _I, _P, _I, _P, _P])
+        self.panel_width = {torch.float32: int(_function(lib, "linear_panel_width", [], _I)())}
+        if bf16_width := int(_function(lib, "linear_bf16_panel_width", [], _I)()):
+            self.panel_width[torch.bfloat16] = bf16_width
+        self.amx = bool(_function(lib, "linear_amx_init", [], _I)())
+        self._pack = {torch.float32: _function(lib, "linear_pack_f32", [_P, _I, _I, _P])}
+        self._linear = {torch.float32: _function(lib, "linear_f32", [_P, _I, _I, _I, _P, _I, _P, _P])}
+        if torch.bfloat16 in self.panel_width:
+            self._pack[torch.bfloat16] = _function(lib, "linear_pack_bf16", [_P, _I, _I, _P])
+            self._linear[torch.bfloat16] = _function(lib, "linear_bf16", [_P, _I, _I, _I, _P, _I, _P, _P])
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(self.panel_width)
+
+    def describe(self, dtype: torch.dtype) -> str:
+        width = self.panel_width[dtype]
+        how = {torch.float32: "float32", torch.bfloat16: "bfloat16 on AMX" if self.amx else "bfloat16 (AVX512-BF16)"}
+        return f"native {how[dtype]} kernels (panels of {width} columns)"
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight: [N, K] float32 on CPU. Returns its panels, [ceil(N / panel_width), K, panel_width]."""
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-            raise ValueError(f"packing needs a 2-D float32 CPU weight, got {weight.dtype} {tuple(weight.shape)}")
+        """weight: [N, K] on CPU, a dtype of `dtypes`. Returns its panels: float32 [ceil(N / width), K, width],
+        bfloat16 [ceil(N / width), ceil(K / 2), width, 2]."""
+        if weight.dtype not in self.panel_width or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(
+                f"packing needs a 2-D CPU weight of {', '.join(map(str, self.dtypes))}, got {weight.dtype} "
+                f"{tuple(weight.shape)} on {weight.device}"
+            )
         weight = weight.contiguous()
         n, k = weight.shape
-        packed = torch.empty((-(-n // self.panel_width), k, self.panel_width), dtype=torch.float32)
-        self._pack(weight.data_ptr(), n, k, packed.data_ptr())
+        width = self.panel_width[weight.dtype]
+        shape = (-(-n // width), k, width) if weight.dtype == torch.float32 else (-(-n // width), -(-k // 2), width, 2)
+        packed = torch.empty(shape, dtype=weight.dtype)
+        self._pack[weight.dtype](weight.data_ptr(), n, k, packed.data_ptr())
         return packed
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-        """x: [M, K] float32, each row contiguous; packed: pack()'s panels of W [n, K]. Returns [M, n]."""
+        """x: [M, K] of packed's dtype, each row contiguous; packed: pack()'s panels of W [n, K]; bias: [n]
+        float32 or None. Returns [M, n] in x's dtype."""
         m, k = x.shape
-        if x.dtype != torch.float32 or k != packed.shape[1] or (x.stride(1) != 1 and m > 0):
+        packed_k = k if packed.dtype == torch.float32 else -(-k // 2)  # bf16 panels hold k in pairs
+        if x.dtype != packed.dtype or packed_k != packed.shape[1] or (x.stride(1) != 1 and m > 0):
             raise ValueError(
-                f"input must be float32 [M, {packed.shape[1]}] with contiguous rows, got {x.dtype} "
-                f"{tuple(x.shape)} with strides {x.stride()}"
+                f"input must be {packed.dtype} [M, K] with K the weight's ({packed.dtype} panels "
+                f"{tuple(packed.shape)}) and contiguous rows, got {x.dtype} {tuple(x.shape)} with strides {x.stride()}"
             )
-        y = torch.empty((m, n), dtype=torch.float32)
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"bias must be contiguous float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+        y = torch.empty((m, n), dtype=x.dtype)
         if m:
-            self._linear(
+            self._linear[x.dtype](
                 x.data_ptr(),
                 x.stride(0),
                 m,
@@ -295,7 +321,8 @@ def load_fused_ops() -> FusedOps:
 
 
 def load_linear_kernels() -> LinearKernels:
-    """The float32 matmul kernels, built on first use. Raises KernelUnavailable naming the reason."""
+    """The matmul kernels (float32, and bfloat16 where the CPU has AVX512-BF16), built on first use. Raises
+    KernelUnavailable naming the reason."""
     return LinearKernels(_build("linear", {}))
 
 
