@@ -26,6 +26,7 @@ from hybridserve.models.cache_specs import AttentionSpec, CacheLayout, LinearSta
 from hybridserve.models.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, StateMetadata
 from hybridserve.models.layers.linear import can_pack, pack_linears
 from hybridserve.models.layers.native import (
+    FusedOps,
     KDADecode,
     KernelUnavailable,
     LinearKernels,
@@ -150,9 +151,10 @@ class ModelRunner:
         ]
         self.attention_kernels: PagedAttention | None = None
         self.state_kernel: KDADecode | None = None
+        self.fused_ops: FusedOps | None = None
         if config.native_kernels and self.device.type == "cpu":
             self._load_native_kernels()
-        self.sampler = Sampler(self.vocab_size)
+        self.sampler = Sampler(self.vocab_size, None if self.fused_ops is None else self.fused_ops.argmax)
         self.requests: dict[str, _RunnerRequest] = {}  # every request an earlier plan scheduled and none finished
 
     def _linear_kernels(self, config: EngineConfig) -> LinearKernels | None:
@@ -172,10 +174,11 @@ class ModelRunner:
 
     def _load_native_kernels(self) -> None:
         """C kernels for this model on CPU: paged attention (decode, rotary + cache write) for its attention
-        layers, the KDA decode step for its linear-attention layers and the fused element-wise ops. Each
+        layers, the KDA decode step for its linear-attention layers, the fused element-wise ops and argmax. Each
         falls back to PyTorch ops, with a warning naming why, if it cannot be built."""
         try:
-            use_native_ops(self.model, load_fused_ops())
+            self.fused_ops = load_fused_ops()
+            use_native_ops(self.model, self.fused_ops)
         except KernelUnavailable as exc:
             logger.warning("element-wise ops stay PyTorch ops: %s", exc)
         head_dims = {s.head_dim for s in self.layout.state_specs}

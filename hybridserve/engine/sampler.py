@@ -18,7 +18,7 @@ it samples without drafts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -101,8 +101,21 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, native_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """native_argmax: FusedOps.argmax, for CPU bfloat16 and float32 logits (PyTorch's argmax otherwise)."""
         self.vocab_size = vocab_size
+        self._native_argmax = native_argmax
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first largest entry, as torch.argmax(dim=-1)."""
+        if (
+            self._native_argmax is not None
+            and logits.device.type == "cpu"
+            and logits.dtype in (torch.bfloat16, torch.float32)
+            and logits.stride(-1) == 1
+        ):
+            return self._native_argmax(logits)
+        return logits.argmax(dim=-1)
 
     def __call__(
         self, logits: torch.Tensor, states: Sequence[SamplingState], mask: TokenMask | None = None
@@ -121,7 +134,7 @@ class Sampler:
         if mask is None and all(
             s.params.greedy and s.params.logprobs is None and not s.needs_processing for s in states
         ):
-            return [SampleResult(t, None) for t in logits.argmax(dim=-1).tolist()]
+            return [SampleResult(t, None) for t in self.argmax(logits).tolist()]
 
         x = logits.to(torch.float32, copy=True)
         want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
@@ -130,7 +143,7 @@ class Sampler:
         apply_penalties(x, states)
         if mask is not None:
             mask.apply(x)
-        tokens = _pick_tokens(x, states)
+        tokens = _pick_tokens(x, states, self.argmax)
         by_row: dict[int, TokenLogprobs] = {}
         if want:
             ks = [states[i].params.logprobs or 0 for i in want]
@@ -236,13 +249,15 @@ def _frequency_presence_penalty(logits: torch.Tensor, states: Sequence[SamplingS
     logits.index_put_((r, c), -frequency, accumulate=True)  # once per occurrence
 
 
-def _pick_tokens(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+def _pick_tokens(
+    logits: torch.Tensor, states: Sequence[SamplingState], argmax: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     rows = [i for i, s in enumerate(states) if not s.params.greedy]
     if not rows:
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     if len(rows) == len(states):
         return _sample(logits, states)
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax(logits)
     idx = torch.tensor(rows, device=logits.device)
     tokens[idx] = _sample(logits[idx], [states[i] for i in rows])
     return tokens

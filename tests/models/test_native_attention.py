@@ -144,14 +144,17 @@ def test_build_is_cached(monkeypatch, tmp_path):
 
 
 def test_runner_uses_the_kernel_on_cpu_and_falls_back_without_a_compiler(smollm2_dir, monkeypatch, tmp_path, caplog):
-    assert ModelRunner(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8), smollm2_dir).attention_kernels
+    native = ModelRunner(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8), smollm2_dir)
+    assert native.attention_kernels and native.fused_ops
+    assert native.sampler._native_argmax == native.fused_ops.argmax
     config = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8, native_kernels=False)
-    assert ModelRunner(config, smollm2_dir).attention_kernels is None
+    stock = ModelRunner(config, smollm2_dir)
+    assert stock.attention_kernels is None and stock.sampler._native_argmax is None
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-cc")
     with caplog.at_level(logging.WARNING, logger="hybridserve.engine"):
         runner = ModelRunner(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8), smollm2_dir)
-    assert runner.attention_kernels is None
+    assert runner.attention_kernels is None and runner.sampler._native_argmax is None
     assert runner.model.model.norm.native is None and runner.model.model.layers[0].mlp.native is None
     assert "paged attention falls back to PyTorch ops: C compiler 'no-such-cc'" in caplog.text
     assert "element-wise ops stay PyTorch ops: C compiler 'no-such-cc'" in caplog.text
@@ -187,3 +190,22 @@ def test_silu_mul_matches_pytorch(dtype):
     gate_up = (torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(load_fused_ops().silu_mul(gate_up), F.silu(gate) * up, **_one_ulp(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_equals_torch_argmax_ties_nans_and_strides_included(dtype):
+    """The greedy pick: exactly torch.argmax, on logits wide enough for threads and on a strided slice (the
+    sampler drops a padded head's columns), with ties (the first wins), a NaN (it wins), a row of -inf (0)."""
+    ops = load_fused_ops()
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(64, 49160, generator=gen).to(dtype)
+    logits = wide[:, :49152]
+    logits[3, 17] = logits[3, 4000] = 50.0  # a tie
+    logits[5, 9] = float("nan")
+    logits[5, 30] = float("nan")
+    logits[6] = float("-inf")
+    logits[7, -1] = 99.0  # the last column
+    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+    assert ops.argmax(logits)[[3, 5, 6, 7]].tolist() == [17, 9, 0, 49151]
+    with pytest.raises(ValueError, match=r"argmax needs CPU bfloat16 or float32 rows, got torch.float16"):
+        ops.argmax(logits.half())

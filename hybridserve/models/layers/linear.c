@@ -211,6 +211,7 @@ static void tile_rows_bf16(int mr, const uint16_t* x, int64_t x_stride, const ui
  * the rows past the last whole block are copied into a zero-padded block, so no row past m is read. A row's
  * outputs do not depend on the other rows of its tile: each still sums its k in order, 32 a tile. */
 #define AMX_K 32
+#define AMX_PREFETCH (2 * AMX_K) /* k ahead: a weight tile takes longer from memory than two tile steps */
 
 static int amx_enabled = 0;
 
@@ -247,12 +248,16 @@ static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int6
     {
         float c[4][16 * 16] __attribute__((aligned(64)));
         amx_configure();
+        /* One task a (pair of row blocks, panel), pair-major: at up to 32 rows the threads split the panels,
+         * each weight read once; past that each thread takes whole pairs of blocks across all panels (the
+         * weights then come from the shared cache), instead of sweeping every pair over its panels. */
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
+        for (int64_t task = 0; task < (blocks + 1) / 2 * panels; task++) {
+            const int64_t p = task % panels, blk = task / panels * 2;
             const uint16_t* w = packed + p * panel_size;
             const int64_t col = p * NRB, ncols = n - col < NRB ? n - col : NRB;
             const float* b = bias == 0 ? 0 : bias + col;
-            for (int64_t blk = 0; blk < blocks; blk += 2) {
+            {
                 const int two = blk + 1 < blocks;
                 const uint16_t* x0 = blk < full ? x + blk * 16 * x_stride : padded;
                 const uint16_t* x1 = blk + 1 < full ? x0 + 16 * x_stride : padded;
@@ -264,6 +269,9 @@ static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int6
                     _tile_zero(3);
                 }
                 for (int64_t kk = 0; kk < k; kk += AMX_K) {
+                    /* the weights two tiles on (past the panel's end: the next panel's) */
+                    for (int line = 0; line < AMX_K * NRB * 2 / 64; line++)
+                            _mm_prefetch((const char*)(w + (kk + AMX_PREFETCH) * NRB) + line * 64, _MM_HINT_T0);
                     _tile_loadd(6, w + kk * NRB, NRB * 4);
                     _tile_loadd(7, w + kk * NRB + 32, NRB * 4);
                     _tile_loadd(4, x0 + kk, s0);

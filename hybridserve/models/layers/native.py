@@ -4,7 +4,8 @@ Stock PyTorch ops cannot read a paged KV cache in place: decode attention would 
 request's blocks into a dense buffer (a copy as large as the live KV, per layer and step) and then read
 it back. `paged_attention.c` reads the blocks where they are, and rotates a step's queries and keys while
 writing its keys and values into the cache. `fused_ops.c` does a layer's element-wise chains (residual
-add + RMSNorm, SiLU-and-multiply) in one pass each instead of up to nine small ops. `kda_decode.c` steps
+add + RMSNorm, SiLU-and-multiply) in one pass each instead of up to nine small ops, and the greedy argmax
+over the logits on all threads (PyTorch's takes ~8 ms for 64 rows of 49152 on one). `kda_decode.c` steps
 Kimi Delta Attention's recurrent states in place in the state pool, instead of gathering them, updating
 them in a dozen batched ops and scattering them back.
 
@@ -127,7 +128,8 @@ class PagedAttention:
 
 
 class FusedOps:
-    """A decoder layer's element-wise chains in one pass each, for bfloat16 and float32 rows."""
+    """A decoder layer's element-wise chains in one pass each, and the logits' argmax, for bfloat16 and float32
+    rows."""
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
@@ -137,6 +139,9 @@ class FusedOps:
         }
         self._silu_mul = {
             dtype: _function(lib, f"silu_mul_{name}", [_P, _P, _I, _I]) for dtype, name in _DTYPES.items()
+        }
+        self._argmax = {
+            dtype: _function(lib, f"argmax_{name}", [_P, _I, _I, _I, _P]) for dtype, name in _DTYPES.items()
         }
 
     def supports(self, *tensors: torch.Tensor) -> bool:
@@ -169,6 +174,15 @@ class FusedOps:
         rows, width = gate_up.shape
         out = gate_up.new_empty((rows, width // 2))
         self._silu_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, dim=-1) of [rows, n] logits (rows may be strided, each contiguous), as int64."""
+        rows, n = x.shape
+        if x.dtype not in _DTYPES or x.device.type != "cpu" or (x.stride(1) != 1 and n > 1):
+            raise ValueError(f"argmax needs CPU bfloat16 or float32 rows, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        out = torch.empty(rows, dtype=torch.int64)
+        self._argmax[x.dtype](x.data_ptr(), x.stride(0), rows, n, out.data_ptr())
         return out
 
 
