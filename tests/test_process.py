@@ -110,7 +110,8 @@ def test_a_child_that_exits_during_start_up_is_named_with_its_exit_code():
         children.shutdown(lambda _: None)
 
 
-def test_a_child_that_never_reports_times_out_and_shutdown_kills_it():
+def test_a_child_that_never_reports_times_out_and_shutdown_kills_it(monkeypatch):
+    monkeypatch.setattr("hybridserve.process.JOIN_TIMEOUT_S", 0.5)  # the join is bounded; not 5 s of waiting here
     children, (_, inbox) = start(never_ready)
     try:
         with pytest.raises(ChildStartupError, match=r"^test-child did not start within 0.5s$"):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 KEY = "sk-e2e"
@@ -295,22 +296,73 @@ def test_responses_required_tool_choice_gives_a_valid_call(client):
     assert r.status == "completed"
 
 
-def test_sigterm_stops_the_workers_and_removes_their_sockets(tmp_path):
-    """A supervisor's SIGTERM: the server, its engine worker and post-processing worker all exit, and the
-    socket directories they used under $TMPDIR are gone."""
+@pytest.fixture(scope="module")
+def supervised(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen, Path, Path]]:
+    """One server with a local engine worker and a post-processing worker, its sockets under a short $TMPDIR,
+    for a supervisor's view: the worker killed and started again, then SIGTERM ending it all (in that order;
+    one start-up for both). Yields its URL, process, log and socket directory."""
     sockets = Path(tempfile.mkdtemp(prefix="hs-"))  # short: socket paths must fit a Unix socket address
+    log = tmp_path_factory.mktemp("supervised") / "server.log"
     try:
         env = {**os.environ, "TMPDIR": str(sockets)}
-        with running_server(tmp_path / "server.log", "--num-postprocess-workers", "1", env=env) as (_, proc):
-            names = sorted(p.name for p in sockets.glob("hybridserve-*"))
-            pid = proc.pid
-            assert [re.sub(rf"-{pid}-\w+$", "", n) for n in names] == ["hybridserve-postprocess", "hybridserve-workers"]
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
-        assert proc.returncode == -signal.SIGTERM  # uvicorn's shutdown re-raises the signal, after ours
-        assert list(sockets.glob("hybridserve-*")) == []  # (torch keeps its own compile cache there)
+        with running_server(log, "--num-postprocess-workers", "1", env=env) as (url, proc):
+            yield url, proc, log, sockets
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
+
+
+def _worker_states(url: str) -> list[str]:
+    try:
+        return [w["state"] for w in httpx.get(url + "/health", timeout=5).json().get("workers", [])]
+    except httpx.HTTPError:
+        return []
+
+
+def _until(check, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g}s waiting for {what}"
+        time.sleep(0.25)
+
+
+def test_a_killed_local_worker_is_started_again(supervised):
+    """A local engine worker killed with SIGKILL mid-stream: the stream fails cleanly, the frontend starts it
+    again (logged, counted) and serves the same answer. (One that cannot start again: test_local_restart.py.)"""
+    url, proc, log, _ = supervised
+    headers = {"Authorization": f"Bearer {KEY}"}
+    # The frontend's child holding the model: the largest one (the post-processing worker has a tokenizer only).
+    children = psutil.Process(proc.pid).children(recursive=True)
+    worker = max(children, key=lambda c: c.memory_info().rss)
+    body = {"model": "smollm2", "temperature": 0, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    body["messages"] = [{"role": "user", "content": "Tell me a long story."}]
+    error = None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
+        for i, line in enumerate(r.iter_lines()):
+            if i == 4:
+                worker.send_signal(signal.SIGKILL)
+            if line.startswith("data: {") and "error" in (chunk := json.loads(line[6:])):
+                error = chunk["error"]
+    assert error is not None and error["code"] == "engine_unavailable", error
+    assert "engine worker local-0 went down: its process exited (exit code -9)" in error["message"]
+    _until(lambda: _worker_states(url) == ["up"], "the restart", 120)
+    ask = {"model": "smollm2", "temperature": 0, "max_tokens": 12, "messages": QUESTION}
+    r = httpx.post(url + "/v1/chat/completions", json=ask, headers=headers, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    assert metric(url, "hybridserve:worker_restarts_total") == 1
+    assert "worker local-0: starting its process again (restart 1)" in log.read_text()
+
+
+def test_sigterm_stops_the_workers_and_removes_their_sockets(supervised):
+    """A supervisor's SIGTERM: the server, its engine worker (here the one started again) and post-processing
+    worker all exit, and the socket directories they used under $TMPDIR are gone."""
+    _, proc, _, sockets = supervised
+    names = sorted(p.name for p in sockets.glob("hybridserve-*"))
+    pid = proc.pid
+    assert [re.sub(rf"-{pid}-\w+$", "", n) for n in names] == ["hybridserve-postprocess", "hybridserve-workers"]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    assert proc.returncode == -signal.SIGTERM  # uvicorn's shutdown re-raises the signal, after ours
+    assert list(sockets.glob("hybridserve-*")) == []  # (torch keeps its own compile cache there)
 
 
 @pytest.mark.slow  # two server start-ups and a third that is refused before it loads a model

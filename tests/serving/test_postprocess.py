@@ -114,28 +114,6 @@ def test_a_dead_worker_fails_its_responses_with_an_error_event(tokenizer, smollm
         pool.shutdown()
 
 
-def test_a_dead_worker_fails_only_its_own_responses(smollm2_dir):
-    from hybridserve.serving.postprocess import _Ticket
-
-    pool = PostprocessPool(smollm2_dir, 2)
-    try:
-        pool.processes[0].kill()
-        pool.processes[0].join()
-        orphan = _Ticket("resp_a", 0, pool._outboxes[0])
-        alive = _Ticket("resp_b", 1, pool._outboxes[1])
-        pool._tickets.update({orphan.request_id: orphan, alive.request_id: alive})
-        pool._fail_orphans()
-        pool._fail_orphans()  # once each
-        [failed] = [orphan.results.get_nowait() for _ in range(orphan.results.qsize())]
-        assert (failed.finish_reason, failed.error) == (
-            "error",
-            "post-processing worker hybridserve-postprocess-0 exited",
-        )
-        assert alive.results.empty() and list(pool._tickets) == ["resp_b"]
-    finally:
-        pool.shutdown()
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_disk_that_fills_during_generation_answers_as_without_workers(tokenizer, pool, tmp_path, stream):
     answers = []
@@ -167,3 +145,23 @@ def test_a_disconnect_stores_the_response_cancelled(tokenizer, pool):
     assert (stored["status"], stored["output"]) == ("cancelled", [])  # the output so far was the worker's
     check(stored, "Response")
     assert engine.aborted == [rid]
+
+
+def test_a_dead_worker_fails_only_its_own_responses(pool):
+    """On the module's pool, so last in this file: it kills worker 0 for good (the fixture stops the rest)."""
+    from hybridserve.serving.postprocess import _Ticket
+
+    assert not pool._tickets  # every earlier response let its ticket go
+    pool.processes[0].kill()
+    pool.processes[0].join()
+    orphan = _Ticket("resp_a", 0, pool._outboxes[0])
+    alive = _Ticket("resp_b", 1, pool._outboxes[1])
+    pool._tickets.update({orphan.request_id: orphan, alive.request_id: alive})
+    pool._fail_orphans()
+    pool._fail_orphans()  # once each
+    [failed] = [orphan.results.get_nowait() for _ in range(orphan.results.qsize())]
+    assert (failed.finish_reason, failed.error) == (
+        "error",
+        "post-processing worker hybridserve-postprocess-0 exited",
+    )
+    assert alive.results.empty() and list(pool._tickets) == ["resp_b"]
