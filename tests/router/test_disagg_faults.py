@@ -38,8 +38,12 @@ ENGINE = {
     "kv_transfer_timeout": 2.0,
     "kv_lease": 3.0,
 }
+# The stopped-worker test needs the transfer deadline (2 s from the start of the read) to fire before the
+# transport heartbeat (worker_timeout from the SIGSTOP): the decode worker first has to let the blocker go and
+# start the read, which took over 3 s once on a loaded two-core machine. A killed worker's connection closes
+# at once, so the kill tests do not wait for the heartbeat.
 DEPLOYMENT = DeploymentConfig(
-    num_prefill_workers=1, num_decode_workers=1, max_local_prefill_tokens=0, worker_timeout=5.0
+    num_prefill_workers=1, num_decode_workers=1, max_local_prefill_tokens=0, worker_timeout=10.0
 )
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 BLOCKER = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
