@@ -154,7 +154,7 @@ class ModelRunner:
         self.fused_ops: FusedOps | None = None
         if config.native_kernels and self.device.type == "cpu":
             self._load_native_kernels()
-        self.sampler = Sampler(self.vocab_size, None if self.fused_ops is None else self.fused_ops.argmax)
+        self.sampler = Sampler(self.vocab_size, self.fused_ops)
         self.requests: dict[str, _RunnerRequest] = {}  # every request an earlier plan scheduled and none finished
 
     def _linear_kernels(self, config: EngineConfig) -> LinearKernels | None:

@@ -26,6 +26,7 @@ import torch
 
 from hybridserve.engine.protocol import TokenLogprobs
 from hybridserve.engine.structured_output import TokenMask
+from hybridserve.models.layers.native import FusedOps
 from hybridserve.sampling_params import SamplingParams
 
 _NUCLEUS_CANDIDATES = 1024
@@ -101,20 +102,15 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, native_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """native_argmax: FusedOps.argmax, for CPU bfloat16 and float32 logits (PyTorch's argmax otherwise)."""
+    def __init__(self, vocab_size: int, native: FusedOps | None = None) -> None:
+        """native: the fused CPU ops, whose argmax takes the logits it can (PyTorch's argmax the others)."""
         self.vocab_size = vocab_size
-        self._native_argmax = native_argmax
+        self.native = native
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's first largest entry, as torch.argmax(dim=-1)."""
-        if (
-            self._native_argmax is not None
-            and logits.device.type == "cpu"
-            and logits.dtype in (torch.bfloat16, torch.float32)
-            and logits.stride(-1) == 1
-        ):
-            return self._native_argmax(logits)
+        if self.native is not None and self.native.can_argmax(logits):
+            return self.native.argmax(logits)
         return logits.argmax(dim=-1)
 
     def __call__(

@@ -257,42 +257,40 @@ static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int6
             const uint16_t* w = packed + p * panel_size;
             const int64_t col = p * NRB, ncols = n - col < NRB ? n - col : NRB;
             const float* b = bias == 0 ? 0 : bias + col;
-            {
-                const int two = blk + 1 < blocks;
-                const uint16_t* x0 = blk < full ? x + blk * 16 * x_stride : padded;
-                const uint16_t* x1 = blk + 1 < full ? x0 + 16 * x_stride : padded;
-                const int64_t s0 = (blk < full ? x_stride : k) * 2, s1 = (blk + 1 < full ? x_stride : k) * 2;
-                _tile_zero(0);
-                _tile_zero(1);
+            const int two = blk + 1 < blocks;
+            const uint16_t* x0 = blk < full ? x + blk * 16 * x_stride : padded;
+            const uint16_t* x1 = blk + 1 < full ? x0 + 16 * x_stride : padded;
+            const int64_t s0 = (blk < full ? x_stride : k) * 2, s1 = (blk + 1 < full ? x_stride : k) * 2;
+            _tile_zero(0);
+            _tile_zero(1);
+            if (two) {
+                _tile_zero(2);
+                _tile_zero(3);
+            }
+            for (int64_t kk = 0; kk < k; kk += AMX_K) {
+                /* the weights two tiles on (past the panel's end: the next panel's) */
+                for (int line = 0; line < AMX_K * NRB * 2 / 64; line++)
+                    _mm_prefetch((const char*)(w + (kk + AMX_PREFETCH) * NRB) + line * 64, _MM_HINT_T0);
+                _tile_loadd(6, w + kk * NRB, NRB * 4);
+                _tile_loadd(7, w + kk * NRB + 32, NRB * 4);
+                _tile_loadd(4, x0 + kk, s0);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
                 if (two) {
-                    _tile_zero(2);
-                    _tile_zero(3);
+                    _tile_loadd(5, x1 + kk, s1);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
                 }
-                for (int64_t kk = 0; kk < k; kk += AMX_K) {
-                    /* the weights two tiles on (past the panel's end: the next panel's) */
-                    for (int line = 0; line < AMX_K * NRB * 2 / 64; line++)
-                            _mm_prefetch((const char*)(w + (kk + AMX_PREFETCH) * NRB) + line * 64, _MM_HINT_T0);
-                    _tile_loadd(6, w + kk * NRB, NRB * 4);
-                    _tile_loadd(7, w + kk * NRB + 32, NRB * 4);
-                    _tile_loadd(4, x0 + kk, s0);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (two) {
-                        _tile_loadd(5, x1 + kk, s1);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, c[0], 64);
-                _tile_stored(1, c[1], 64);
-                const int64_t r0 = blk * 16, rows0 = m - r0 < 16 ? m - r0 : 16;
-                store_bf16_rows(c[0], c[1], (int)rows0, b, y + r0 * n + col, n, ncols);
-                if (two) {
-                    _tile_stored(2, c[2], 64);
-                    _tile_stored(3, c[3], 64);
-                    const int64_t r1 = r0 + 16, rows1 = m - r1 < 16 ? m - r1 : 16;
-                    store_bf16_rows(c[2], c[3], (int)rows1, b, y + r1 * n + col, n, ncols);
-                }
+            }
+            _tile_stored(0, c[0], 64);
+            _tile_stored(1, c[1], 64);
+            const int64_t r0 = blk * 16, rows0 = m - r0 < 16 ? m - r0 : 16;
+            store_bf16_rows(c[0], c[1], (int)rows0, b, y + r0 * n + col, n, ncols);
+            if (two) {
+                _tile_stored(2, c[2], 64);
+                _tile_stored(3, c[3], 64);
+                const int64_t r1 = r0 + 16, rows1 = m - r1 < 16 ? m - r1 : 16;
+                store_bf16_rows(c[2], c[3], (int)rows1, b, y + r1 * n + col, n, ncols);
             }
         }
         _tile_release();

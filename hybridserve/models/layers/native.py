@@ -176,11 +176,15 @@ class FusedOps:
         self._silu_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
         return out
 
+    def can_argmax(self, x: torch.Tensor) -> bool:
+        """Whether argmax takes x: [rows, n] on CPU, bfloat16 or float32, each row contiguous."""
+        return x.dim() == 2 and x.dtype in _DTYPES and x.device.type == "cpu" and (x.stride(1) == 1 or x.shape[1] <= 1)
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, dim=-1) of [rows, n] logits (rows may be strided, each contiguous), as int64."""
-        rows, n = x.shape
-        if x.dtype not in _DTYPES or x.device.type != "cpu" or (x.stride(1) != 1 and n > 1):
+        if not self.can_argmax(x):
             raise ValueError(f"argmax needs CPU bfloat16 or float32 rows, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        rows, n = x.shape
         out = torch.empty(rows, dtype=torch.int64)
         self._argmax[x.dtype](x.data_ptr(), x.stride(0), rows, n, out.data_ptr())
         return out
