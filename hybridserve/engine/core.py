@@ -220,7 +220,9 @@ class EngineCore:
             self.scheduler.new_pulls = []
         hidden = self.runner.forward(plan)  # also a plan with nothing scheduled: it may finish requests
         if not plan.scheduled:
-            if self.scheduler.pulling or admitted_pulls:  # a read that failed at once may have queued a recompute
+            # Blocks and state slots held for a decode worker or being filled by a read come back by themselves
+            # (read, failed, or the lease ends); a read that failed at once may have queued a recompute.
+            if self.scheduler.pulling or self.scheduler.held or admitted_pulls:
                 time.sleep(_PULL_WAIT_S)
                 return started
             return started + self._fail_unschedulable()
@@ -241,11 +243,13 @@ class EngineCore:
         return self.grammar_bitmask.fill(rows, len(ids), self.runner.device) if rows else None
 
     def _fail_unschedulable(self) -> list[EngineCoreOutput]:
-        """Nothing could run: the head of the queue cannot fit even in an empty cache."""
+        """Nothing could run with nothing running nor held: the head of the queue cannot fit even in an empty
+        cache (a request that grew past it while decoding)."""
         if self.scheduler.running or not self.scheduler.waiting:
             return []
         req = self.scheduler.waiting[0]
-        msg = f"request needs {req.num_tokens} tokens of KV cache; the cache holds {self.kv.pool.num_blocks} blocks"
+        n, blocks = req.num_tokens, -(-req.num_tokens // self.kv.block_size)
+        msg = f"request needs {blocks} KV blocks for its {n} tokens; the cache holds {self.kv.pool.num_blocks}"
         logger.error("request %s: %s", req.request_id, msg)
         return [self.scheduler.fail(req, msg)]
 

@@ -177,3 +177,18 @@ def test_k3_prefix_hits(kimi_k3_dir):
     assert _run(llm, prompts) == alone
     assert _run(llm, prompts) == alone
     assert _hits(llm) == len(prompts)
+
+
+def test_a_request_that_outgrows_the_whole_cache_fails_naming_its_size(kimi_linear_dir):
+    """Alone in a 4-block cache (64 tokens), a request decoding past it preempts itself and then cannot fit
+    even in the empty cache: it fails with what it needs, after the tokens it got, and nothing leaks."""
+    llm = _llm(kimi_linear_dir, num_kv_blocks=4)
+    out = llm.generate([list(range(10, 30))], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))[0]
+    completion = out.outputs[0]
+    assert (completion.finish_reason, completion.error) == (
+        "error",
+        "request needs 5 KV blocks for its 65 tokens; the cache holds 4",
+    )
+    assert len(completion.token_ids) == 45  # with the 20 prompt tokens, 65: the KV of the last needs a 5th block
+    llm.core.check_integrity()
+    assert llm.core.kv.usage == 0.0

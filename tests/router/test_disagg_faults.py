@@ -97,8 +97,15 @@ async def _victim_waits(engine: AsyncLLM, prompt: list[int]) -> tuple[asyncio.Ta
     blocker = asyncio.create_task(_collect(engine, prompt[:5], BLOCKER, "blocker"))
     await _until("the blocker to run", lambda: _running(engine))
     victim = asyncio.create_task(_collect(engine, prompt, GREEDY, "victim"))
-    await _until("the victim to be held", lambda: _held(engine, 1))
+    # Queued on the decode worker, so prefilled and held (the blocker's `done` may reach the prefill worker
+    # after the victim, which then waits there for the one state slot: its kv_held alone could be the blocker).
+    await _until("the victim to be handed off", lambda: _waiting_on_decode(engine))
+    assert await _held(engine, 1)
     return blocker, victim
+
+
+async def _waiting_on_decode(engine: AsyncLLM) -> bool:
+    return await _stat(engine, "decode", "num_waiting") == 1
 
 
 async def _running(engine: AsyncLLM) -> bool:
@@ -276,3 +283,42 @@ def test_a_held_request_aborted_by_its_frontend_is_let_go_at_once(kimi_linear_di
     assert not core.scheduler.held and len(core.connector.leases) == 0
     assert core.kv.pool.num_free == free  # every block back (the prompt's stay cached, evictable)
     core.check_integrity()
+
+
+def test_a_request_behind_a_held_one_waits_for_its_state_slot(kimi_linear_dir: Path) -> None:
+    """A prefill worker with one state slot holds a prefilled request until its decode worker reads it; the next
+    request waits for that slot (it used to fail at once, told the cache was too small for it), then prefills."""
+    base = {"model": str(kimi_linear_dir), "kv_cache_memory_bytes": 16 * 1024**2, "num_threads": 1}
+    prefill = EngineCore(EngineConfig(**base, dtype="float32", max_num_seqs=1, role="prefill"), kimi_linear_dir)
+    decode = EngineCore(EngineConfig(**base, dtype="float32", role="decode"), kimi_linear_dir)
+    assert prefill.connector and decode.connector
+    decode.connector.add_peer(prefill.connector.endpoint)
+    prompt = list(range(10, 60))
+    sources: dict[str, RemotePrefill] = {}
+    ends: dict[str, tuple[FinishReason | None, str | None]] = {}
+
+    def step(core: EngineCore) -> None:
+        for out in core.step().outputs:
+            if out.kv_transfer is not None:
+                sources[out.request_id] = RemotePrefill(out.kv_transfer, out.new_token_ids[0])
+            if out.finish_reason is not None:
+                ends[out.request_id] = (out.finish_reason, out.error)
+
+    prefill.add_request(EngineCoreRequest("first", prompt, GREEDY, [], 0.0, kv_transfer=RemoteDecode()))
+    deadline = time.monotonic() + TIMEOUT_S
+    while "first" not in sources and time.monotonic() < deadline:
+        step(prefill)
+    prefill.add_request(EngineCoreRequest("second", prompt[::-1], GREEDY, [], 0.0, kv_transfer=RemoteDecode()))
+    for _ in range(5):
+        step(prefill)
+    assert (ends, list(prefill.scheduler.held), prefill.stats().num_waiting) == ({}, ["first"], 1)
+    decode.add_request(EngineCoreRequest("first", prompt, GREEDY, [], 0.0, kv_transfer=sources["first"]))
+    while "second" not in sources and time.monotonic() < deadline:
+        step(decode)
+        step(prefill)  # hears `done` for the first, which frees the slot
+    assert list(prefill.scheduler.held) == ["second"] and prefill.connector.counters.leases_expired == 0
+    while "first" not in ends and time.monotonic() < deadline:
+        step(decode)
+    assert ends == {"first": (FinishReason.LENGTH, None)}
+    for core in (prefill, decode):
+        core.check_integrity()
