@@ -167,13 +167,20 @@ static void store_bf16_rows(const float* c0, const float* c1, int rows, const fl
     }
 }
 
+/* next: a panel to bring into L2 meanwhile (whole panels fit there, not in L1), a line pair per k pair (NULL:
+ * none). */
 static inline __attribute__((always_inline)) void tile_bf16(int mr, const uint16_t* x, int64_t x_stride,
-                                                            const uint16_t* panel, int64_t k, const float* bias,
-                                                            uint16_t* y, int64_t y_stride, int64_t ncols) {
+                                                            const uint16_t* panel, const uint16_t* next, int64_t k,
+                                                            const float* bias, uint16_t* y, int64_t y_stride,
+                                                            int64_t ncols) {
     __m512 acc[MRB][2];
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const int64_t pairs = (k + 1) / 2;
     for (int64_t i = 0; i < pairs; i++) {
+        if (next != 0) {
+            _mm_prefetch((const char*)(next + i * NRB * 2), _MM_HINT_T1);
+            _mm_prefetch((const char*)(next + i * NRB * 2 + 32), _MM_HINT_T1);
+        }
         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + i * NRB * 2);
         const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + i * NRB * 2 + 32);
         for (int r = 0; r < mr; r++) {
@@ -190,14 +197,15 @@ static inline __attribute__((always_inline)) void tile_bf16(int mr, const uint16
     store_bf16_rows(c0, c1, mr, bias, y, y_stride, ncols);
 }
 
-static void tile_rows_bf16(int mr, const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t k,
-                           const float* bias, uint16_t* y, int64_t y_stride, int64_t ncols) {
+static void tile_rows_bf16(int mr, const uint16_t* x, int64_t x_stride, const uint16_t* panel,
+                           const uint16_t* next, int64_t k, const float* bias, uint16_t* y, int64_t y_stride,
+                           int64_t ncols) {
     switch (mr) {
 #define ROWS(n) \
-    case n: tile_bf16(n, x, x_stride, panel, k, bias, y, y_stride, ncols); break;
+    case n: tile_bf16(n, x, x_stride, panel, next, k, bias, y, y_stride, ncols); break;
         ROWS(12) ROWS(11) ROWS(10) ROWS(9) ROWS(8) ROWS(7) ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2)
 #undef ROWS
-        default: tile_bf16(1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;
+        default: tile_bf16(1, x, x_stride, panel, next, k, bias, y, y_stride, ncols); break;
     }
 }
 
@@ -319,9 +327,12 @@ void linear_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, cons
 #pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < panels; p++) {
             const int64_t col = p * NRB, ncols = n - col < NRB ? n - col : NRB;
+            /* The first row tile brings in the next panel (this thread's next one under the static split),
+             * which would otherwise come from memory while the next panel's first tile waits for it. */
+            const uint16_t* next = p + 1 < panels ? packed + (p + 1) * panel_size : 0;
             for (int64_t r = m0; r < m1; r += MRB) {
                 const int mr = (int)(m1 - r < MRB ? m1 - r : MRB);
-                tile_rows_bf16(mr, x + r * x_stride, x_stride, packed + p * panel_size, k,
+                tile_rows_bf16(mr, x + r * x_stride, x_stride, packed + p * panel_size, r == m0 ? next : 0, k,
                                bias == 0 ? 0 : bias + col, y + r * n + col, n, ncols);
             }
         }
