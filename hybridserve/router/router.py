@@ -63,6 +63,7 @@ MAX_BACKOFF_S = 30.0
 STARTUP_TIMEOUT_S = 600.0  # a local worker loading its model
 MAX_START_FAILURES = 3  # a local worker that fails to start this often in a row, with no worker up, is fatal
 _POLL_MS = 200
+_SETTLE_S = 2.0  # at start-up, how long the other remote workers may take to answer after the first
 _EXIT_POLLS = 10
 
 
@@ -140,7 +141,8 @@ class Router:
             sock.send(_encode(Hello(self.frontend, uuid.uuid4().hex, self.settings.secret, protocol_fingerprint())))
             pending[link.name] = sock
         deadline = time.monotonic() + timeout_s
-        accepted = 0
+        replies: dict[str, object] = {}
+        welcomed: float | None = None  # when the first Welcome came
         while pending:
             for link in self.links:
                 sock = pending.get(link.name)
@@ -154,17 +156,28 @@ class Router:
                 if not sock.poll(0):
                     continue
                 del pending[link.name]
-                reply = _decode(sock.recv())
-                if isinstance(reply, Welcome) and (problem := self._check(link, reply)) is None:
-                    accepted += 1
-                else:
-                    problem = reply.error if isinstance(reply, Refused) else problem
-                    self._set_state(link, WorkerState.REFUSED, problem)
-            if not require_all and accepted:
+                replies[link.name] = reply = _decode(sock.recv())
+                if welcomed is None and isinstance(reply, Welcome):
+                    welcomed = time.monotonic()
+            # Remote workers: up to _SETTLE_S more for the others once one answered, so that the deployment is
+            # fixed by the order of --worker, not by which worker answered first.
+            if not require_all and welcomed is not None and time.monotonic() - welcomed >= _SETTLE_S:
                 break
             if time.monotonic() > deadline:
                 break
             time.sleep(_POLL_MS / 1000)
+        accepted = 0
+        for link in self.links:  # in the order given: the first accepted fixes the deployment's geometry
+            if (reply := replies.get(link.name)) is None:
+                continue
+            if isinstance(reply, Welcome):
+                problem = self._check(link, reply)
+            else:
+                problem = reply.error if isinstance(reply, Refused) else f"it answered {type(reply).__name__}"
+            if problem is None:
+                accepted += 1
+            else:
+                self._set_state(link, WorkerState.REFUSED, problem)
         if require_all and any(link.state is WorkerState.REFUSED for link in self.links):
             raise EngineUnavailable("; ".join(f"worker {w.name}: {w.error}" for w in self.links if w.error))
         if not accepted:
