@@ -199,12 +199,11 @@ class ModelRunner:
             logger.warning("paged attention falls back to PyTorch ops: %s", exc)
             return
         logger.info(
-            "paged attention: native kernels (head_dim %d, %d query heads per KV head, %s%s%s)",
+            "paged attention: native kernels (head_dim %d, %d query heads per KV head, %s%s)",
             spec.head_dim,
             group,
             spec.dtype,
             ", bf16 dot-product instructions" if self.attention_kernels.bf16_dot else "",
-            ", prefills too" if self.attention_kernels.prefills else "",
         )
 
     def check_integrity(self) -> None:
@@ -245,7 +244,6 @@ class ModelRunner:
         decode_states: list[int] = []
         prefill_states: list[int] = []
         offset = 0
-        native_prefill = self.attention_kernels is not None and self.attention_kernels.prefills
         for s in plan.scheduled:
             table = self.requests[s.request_id].block_ids
             start, n = s.start, s.num_tokens
@@ -262,10 +260,6 @@ class ModelRunner:
                     decode_rows.append(offset + p - start)
                     decode_tables.append(table[: -(-(p + 1) // bs)])
                     decode_lens.append(p + 1)
-            elif native_prefill:  # the kernel reads every key from the cache and masks by position itself
-                prefill_states.append(s.state_slot)
-                used = table[: -(-(start + n) // bs)]
-                prefills.append(PrefillChunk(offset, offset + n, start, torch.tensor(used, device=dev), None))
             elif start == 0:
                 prefill_states.append(s.state_slot)
                 prefills.append(PrefillChunk(offset, offset + n, 0, None, None))
