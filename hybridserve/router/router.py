@@ -141,7 +141,7 @@ class Router:
             sock.send(_encode(Hello(self.frontend, uuid.uuid4().hex, self.settings.secret, protocol_fingerprint())))
             pending[link.name] = sock
         deadline = time.monotonic() + timeout_s
-        replies: dict[str, object] = {}
+        replies: dict[str, Welcome | Refused] = {}
         welcomed: float | None = None  # when the first Welcome came
         while pending:
             for link in self.links:
@@ -170,10 +170,7 @@ class Router:
         for link in self.links:  # in the order given: the first accepted fixes the deployment's geometry
             if (reply := replies.get(link.name)) is None:
                 continue
-            if isinstance(reply, Welcome):
-                problem = self._check(link, reply)
-            else:
-                problem = reply.error if isinstance(reply, Refused) else f"it answered {type(reply).__name__}"
+            problem = self._check(link, reply) if isinstance(reply, Welcome) else reply.error
             if problem is None:
                 accepted += 1
             else:
