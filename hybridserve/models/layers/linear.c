@@ -305,8 +305,6 @@ static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int6
     }
     free(padded);
 }
-#else
-int64_t linear_amx_init(void) { return 0; }
 #endif
 
 /* x: [m, k] bf16, rows x_stride apart; packed: linear_pack_bf16's panels of W [n, k]; bias: [n] float32 or
@@ -340,4 +338,8 @@ void linear_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, cons
 }
 #else
 int64_t linear_bf16_panel_width(void) { return 0; } /* no AVX512-BF16 here: bf16 stays with oneDNN */
+#endif
+
+#if !(defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__))
+int64_t linear_amx_init(void) { return 0; } /* no AMX here (or no AVX512-BF16, which the AMX path builds on) */
 #endif
