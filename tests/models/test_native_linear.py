@@ -87,6 +87,21 @@ def test_a_row_is_bitwise_the_same_in_any_batch(kernels: LinearKernels, dtype: t
         assert torch.equal(in_37[row - max(0, row - 20)], together[row])
 
 
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 576, 960), (13, 100, 49), (40, 64, 33)])
+def test_bf16_float_out_keeps_the_sums_that_bf16_output_rounds(kernels: LinearKernels, m: int, k: int, n: int) -> None:
+    """The head's float32 logits are the very sums the bf16 output rounds once, to nearest even: bitwise."""
+    _need(kernels, torch.bfloat16)
+    gen = torch.Generator().manual_seed(k + n)
+    w, x = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(m, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen)
+    packed = kernels.pack(w)
+    sums = kernels.linear(x, packed, n, b, float_out=True)
+    assert sums.dtype == torch.float32 and sums.shape == (m, n)
+    assert torch.equal(sums.bfloat16(), kernels.linear(x, packed, n, b))
+    ref = x.double() @ w.double().T + b.double()
+    torch.testing.assert_close(sums.double(), ref, rtol=0, atol=8e-6 * k**0.5)
+
+
 def test_bad_inputs_name_what_is_wrong(kernels: LinearKernels) -> None:
     packed = kernels.pack(torch.ones(8, 16))
     with pytest.raises(ValueError, match=r"input must be torch.float32 \[M, K\].*got torch.bfloat16 \(2, 16\)"):
@@ -110,6 +125,7 @@ def test_pack_linears_swaps_every_linear_for_the_kernel(kernels: LinearKernels, 
     expected = model[1][0](model[0](x))
     pack_linears(model, kernels)
     assert isinstance(model[0], NativeLinear) and isinstance(model[1][0], NativeLinear)
+    assert not model[0].float_out
     out = model[1][0](model[0](x))
     assert out.shape == (2, 3, 8) and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: nn.Linear rounds the first layer's sums alike, not its order
@@ -120,3 +136,14 @@ def test_without_kernels_every_linear_is_packed_for_onednn() -> None:
     model = nn.Sequential(nn.Linear(16, 16))
     pack_linears(model)
     assert isinstance(model[0], PackedLinear)
+
+
+@DTYPES
+def test_a_native_head_returns_float32_logits(kernels: LinearKernels, dtype: torch.dtype) -> None:
+    _need(kernels, dtype)
+    model = nn.Module()
+    model.proj, model.lm_head = nn.Linear(8, 8).to(dtype), nn.Linear(8, 50, bias=False).to(dtype)
+    pack_linears(model, kernels)
+    assert isinstance(model.lm_head, NativeLinear) and model.lm_head.float_out
+    assert model.lm_head(torch.ones(3, 8, dtype=dtype)).dtype == torch.float32
+    assert model.proj(torch.ones(3, 8, dtype=dtype)).dtype == dtype

@@ -116,7 +116,8 @@ void linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const fl
  * multiplies pairs of bf16 along k and adds both products to a float32 accumulator. A panel holds NRB columns
  * as [ceil(k / 2)][NRB][2]: per pair of k, two vectors of 16 (column, k pair) elements. Rows accumulate in
  * float32 over k in order, pair by pair, and are rounded to bf16 once (nearest even), so a row's result still
- * does not depend on its batch. */
+ * does not depend on its batch; or stored in float32 as they are (the head: logits one bf16 step apart, 0.125
+ * at 25, are near ties that rounding would make exact). */
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -152,18 +153,25 @@ static inline __m512bh pair(const uint16_t* x, int64_t i, int64_t k) {
 }
 
 /* Rows y[0..rows) of a panel's two 16-column halves from the float32 tiles c0, c1 ([16][16] each): + bias,
- * rounded to bf16 (nearest even), the ncols valid stored. */
-static void store_bf16_rows(const float* c0, const float* c1, int rows, const float* bias, uint16_t* y,
-                            int64_t y_stride, int64_t ncols) {
+ * the ncols valid stored at y[at + r * y_stride + c], rounded to bf16 (nearest even) or, with f32, as they
+ * are (y float32). */
+static void store_rows(const float* c0, const float* c1, int rows, const float* bias, void* y, int64_t at,
+                       int64_t y_stride, int64_t ncols, int f32) {
     const __mmask16 m0 = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1);
     const __mmask16 m1 = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
     const __m512 b0 = bias != 0 ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
     const __m512 b1 = bias != 0 ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
-        const __m256bh lo = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c0 + r * 16), b0));
-        const __m256bh hi = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c1 + r * 16), b1));
-        _mm256_mask_storeu_epi16(y + r * y_stride, m0, (__m256i)lo);
-        _mm256_mask_storeu_epi16(y + r * y_stride + 16, m1, (__m256i)hi);
+        const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(c0 + r * 16), b0);
+        const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(c1 + r * 16), b1);
+        const int64_t i = at + r * y_stride;
+        if (f32) {
+            _mm512_mask_storeu_ps((float*)y + i, m0, lo);
+            _mm512_mask_storeu_ps((float*)y + i + 16, m1, hi);
+        } else {
+            _mm256_mask_storeu_epi16((uint16_t*)y + i, m0, (__m256i)_mm512_cvtneps_pbh(lo));
+            _mm256_mask_storeu_epi16((uint16_t*)y + i + 16, m1, (__m256i)_mm512_cvtneps_pbh(hi));
+        }
     }
 }
 
@@ -171,8 +179,8 @@ static void store_bf16_rows(const float* c0, const float* c1, int rows, const fl
  * none). */
 static inline __attribute__((always_inline)) void tile_bf16(int mr, const uint16_t* x, int64_t x_stride,
                                                             const uint16_t* panel, const uint16_t* next, int64_t k,
-                                                            const float* bias, uint16_t* y, int64_t y_stride,
-                                                            int64_t ncols) {
+                                                            const float* bias, void* y, int64_t at,
+                                                            int64_t y_stride, int64_t ncols, int f32) {
     __m512 acc[MRB][2];
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const int64_t pairs = (k + 1) / 2;
@@ -194,18 +202,18 @@ static inline __attribute__((always_inline)) void tile_bf16(int mr, const uint16
         _mm512_store_ps(c0 + r * 16, acc[r][0]);
         _mm512_store_ps(c1 + r * 16, acc[r][1]);
     }
-    store_bf16_rows(c0, c1, mr, bias, y, y_stride, ncols);
+    store_rows(c0, c1, mr, bias, y, at, y_stride, ncols, f32);
 }
 
 static void tile_rows_bf16(int mr, const uint16_t* x, int64_t x_stride, const uint16_t* panel,
-                           const uint16_t* next, int64_t k, const float* bias, uint16_t* y, int64_t y_stride,
-                           int64_t ncols) {
+                           const uint16_t* next, int64_t k, const float* bias, void* y, int64_t at,
+                           int64_t y_stride, int64_t ncols, int f32) {
     switch (mr) {
 #define ROWS(n) \
-    case n: tile_bf16(n, x, x_stride, panel, next, k, bias, y, y_stride, ncols); break;
+    case n: tile_bf16(n, x, x_stride, panel, next, k, bias, y, at, y_stride, ncols, f32); break;
         ROWS(12) ROWS(11) ROWS(10) ROWS(9) ROWS(8) ROWS(7) ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2)
 #undef ROWS
-        default: tile_bf16(1, x, x_stride, panel, next, k, bias, y, y_stride, ncols); break;
+        default: tile_bf16(1, x, x_stride, panel, next, k, bias, y, at, y_stride, ncols, f32); break;
     }
 }
 
@@ -243,7 +251,7 @@ static void amx_configure(void) {
 }
 
 static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, const uint16_t* packed,
-                            int64_t n, const float* bias, uint16_t* y) {
+                            int64_t n, const float* bias, void* y, int f32) {
     const int64_t panels = (n + NRB - 1) / NRB, panel_size = k / 2 * NRB * 2;
     const int64_t full = m / 16, blocks = (m + 15) / 16;
     uint16_t* padded = 0;
@@ -293,12 +301,12 @@ static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int6
             _tile_stored(0, c[0], 64);
             _tile_stored(1, c[1], 64);
             const int64_t r0 = blk * 16, rows0 = m - r0 < 16 ? m - r0 : 16;
-            store_bf16_rows(c[0], c[1], (int)rows0, b, y + r0 * n + col, n, ncols);
+            store_rows(c[0], c[1], (int)rows0, b, y, r0 * n + col, n, ncols, f32);
             if (two) {
                 _tile_stored(2, c[2], 64);
                 _tile_stored(3, c[3], 64);
                 const int64_t r1 = r0 + 16, rows1 = m - r1 < 16 ? m - r1 : 16;
-                store_bf16_rows(c[2], c[3], (int)rows1, b, y + r1 * n + col, n, ncols);
+                store_rows(c[2], c[3], (int)rows1, b, y, r1 * n + col, n, ncols, f32);
             }
         }
         _tile_release();
@@ -308,13 +316,13 @@ static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int6
 #endif
 
 /* x: [m, k] bf16, rows x_stride apart; packed: linear_pack_bf16's panels of W [n, k]; bias: [n] float32 or
- * NULL; y: [m, n] bf16 contiguous. AMX where linear_amx_init enabled it and k is a whole number of its
- * tiles, else the AVX512-BF16 register tile. */
+ * NULL; y: [m, n] contiguous, bf16, or float32 (the sums unrounded) with f32. AMX where linear_amx_init
+ * enabled it and k is a whole number of its tiles, else the AVX512-BF16 register tile. */
 void linear_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, const uint16_t* packed, int64_t n,
-                 const float* bias, uint16_t* y) {
+                 const float* bias, void* y, int64_t f32) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (amx_enabled && k % AMX_K == 0) {
-        linear_bf16_amx(x, x_stride, m, k, packed, n, bias, y);
+        linear_bf16_amx(x, x_stride, m, k, packed, n, bias, y, (int)f32);
         return;
     }
 #endif
@@ -331,7 +339,7 @@ void linear_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, cons
             for (int64_t r = m0; r < m1; r += MRB) {
                 const int mr = (int)(m1 - r < MRB ? m1 - r : MRB);
                 tile_rows_bf16(mr, x + r * x_stride, x_stride, packed + p * panel_size, r == m0 ? next : 0, k,
-                               bias == 0 ? 0 : bias + col, y + r * n + col, n, ncols);
+                               bias == 0 ? 0 : bias + col, y, r * n + col, n, ncols, (int)f32);
             }
         }
     }

@@ -36,16 +36,16 @@ class PackedLinear(nn.Module):
 class NativeLinear(nn.Module):
     """The native kernel over the weight's panels (float32 or bfloat16); inputs of any leading shape."""
 
-    def __init__(self, linear: nn.Linear, kernels: LinearKernels) -> None:
+    def __init__(self, linear: nn.Linear, kernels: LinearKernels, float_out: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.kernels = kernels
+        self.kernels, self.float_out = kernels, float_out
         self.panels = kernels.pack(linear.weight.detach())
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = self.kernels.linear(rows, self.panels, self.out_features, self.bias)
+        y = self.kernels.linear(rows, self.panels, self.out_features, self.bias, self.float_out)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -55,11 +55,13 @@ def can_pack(device: torch.device) -> bool:
 
 def pack_linears(model: nn.Module, kernels: LinearKernels | None = None) -> None:
     """Replace every nn.Linear in `model`, in place: by a NativeLinear where `kernels` are given and take the
-    weight's dtype, else by a PackedLinear."""
+    weight's dtype, else by a PackedLinear. A native head (`lm_head`) returns float32 logits, its sums
+    unrounded: in bf16, logits a step apart (0.125 at 25) are near ties that rounding makes exact, and the
+    argmax would then pick the lower token id, not the larger logit."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
             if kernels is not None and child.weight.dtype in kernels.dtypes:
-                setattr(model, name, NativeLinear(child, kernels))
+                setattr(model, name, NativeLinear(child, kernels, float_out=name == "lm_head"))
             else:
                 setattr(model, name, PackedLinear(child))
         else:

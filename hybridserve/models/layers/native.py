@@ -206,7 +206,7 @@ class LinearKernels:
         self._linear = {torch.float32: _function(lib, "linear_f32", [_P, _I, _I, _I, _P, _I, _P, _P])}
         if torch.bfloat16 in self.panel_width:
             self._pack[torch.bfloat16] = _function(lib, "linear_pack_bf16", [_P, _I, _I, _P])
-            self._linear[torch.bfloat16] = _function(lib, "linear_bf16", [_P, _I, _I, _I, _P, _I, _P, _P])
+            self._linear[torch.bfloat16] = _function(lib, "linear_bf16", [_P, _I, _I, _I, _P, _I, _P, _P, _I])
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
@@ -233,9 +233,11 @@ class LinearKernels:
         self._pack[weight.dtype](weight.data_ptr(), n, k, packed.data_ptr())
         return packed
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, float_out: bool = False
+    ) -> torch.Tensor:
         """x: [M, K] of packed's dtype, each row contiguous; packed: pack()'s panels of W [n, K]; bias: [n]
-        float32 or None. Returns [M, n] in x's dtype."""
+        float32 or None. Returns [M, n] in x's dtype, or with float_out in float32, the sums unrounded."""
         m, k = x.shape
         packed_k = k if packed.dtype == torch.float32 else -(-k // 2)  # bf16 panels hold k in pairs
         if x.dtype != packed.dtype or packed_k != packed.shape[1] or (x.stride(1) != 1 and m > 0):
@@ -245,18 +247,13 @@ class LinearKernels:
             )
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
             raise ValueError(f"bias must be contiguous float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
-        y = torch.empty((m, n), dtype=x.dtype)
+        y = torch.empty((m, n), dtype=torch.float32 if float_out else x.dtype)
         if m:
-            self._linear[x.dtype](
-                x.data_ptr(),
-                x.stride(0),
-                m,
-                k,
-                packed.data_ptr(),
-                n,
-                0 if bias is None else bias.data_ptr(),
-                y.data_ptr(),
-            )
+            args = [x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n, 0 if bias is None else bias.data_ptr()]
+            if x.dtype == torch.bfloat16:
+                self._linear[x.dtype](*args, y.data_ptr(), int(float_out))
+            else:
+                self._linear[x.dtype](*args, y.data_ptr())
         return y
 
 
