@@ -199,11 +199,12 @@ class ModelRunner:
             logger.warning("paged attention falls back to PyTorch ops: %s", exc)
             return
         logger.info(
-            "paged attention: native kernels (head_dim %d, %d query heads per KV head, %s%s)",
+            "paged attention: native kernels (head_dim %d, %d query heads per KV head, %s%s%s)",
             spec.head_dim,
             group,
             spec.dtype,
             ", bf16 dot-product instructions" if self.attention_kernels.bf16_dot else "",
+            ", prefills too" if self.attention_kernels.prefills else "",
         )
 
     def check_integrity(self) -> None:
@@ -222,7 +223,7 @@ class ModelRunner:
             # A remotely prefilled request's prompt logprobs came from its prefill worker.
             wanted = params.prompt_logprobs is not None and not outputs
             prompt = PromptLogprobs(new.prompt_token_ids, params.prompt_logprobs) if wanted else None
-            self.requests[new.request_id] = _RunnerRequest([], state, prompt)
+            self.requests[new.request_id] = _RunnerRequest([], state, prompt, len(new.prompt_token_ids))
         for s in plan.scheduled:
             req = self.requests.get(s.request_id)
             if req is None:
@@ -244,11 +245,15 @@ class ModelRunner:
         decode_states: list[int] = []
         prefill_states: list[int] = []
         offset = 0
+        native_prefill = self.attention_kernels is not None and self.attention_kernels.prefills
         for s in plan.scheduled:
-            table = self.requests[s.request_id].block_ids
+            req = self.requests[s.request_id]
+            table = req.block_ids
             start, n = s.start, s.num_tokens
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
+            # The native prefill kernel takes every prompt token, a chunk's last one too: a prompt then gets the
+            # same bits whole, in chunks or after a prefix hit. Decode attention sums in another order.
+            if n == 1 and not (native_prefill and start < req.prompt_len):
                 decode_states.append(s.state_slot)
                 decode_rows.append(offset)
                 decode_tables.append(table[: -(-(start + 1) // bs)])
@@ -260,6 +265,10 @@ class ModelRunner:
                     decode_rows.append(offset + p - start)
                     decode_tables.append(table[: -(-(p + 1) // bs)])
                     decode_lens.append(p + 1)
+            elif native_prefill:  # the kernel reads every key from the cache and masks by position itself
+                prefill_states.append(s.state_slot)
+                used = table[: -(-(start + n) // bs)]
+                prefills.append(PrefillChunk(offset, offset + n, start, torch.tensor(used, device=dev), None))
             elif start == 0:
                 prefill_states.append(s.state_slot)
                 prefills.append(PrefillChunk(offset, offset + n, 0, None, None))
@@ -392,3 +401,4 @@ class _RunnerRequest:
     block_ids: list[int]
     sampling: SamplingState
     prompt_logprobs: PromptLogprobs | None  # the request asked for them
+    prompt_len: int

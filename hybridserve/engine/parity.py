@@ -32,7 +32,8 @@ def chunked_logits(runner: ModelRunner, ids: list[int], cuts: list[int]) -> torc
                 )
                 plan = SchedulerOutput(
                     [step],
-                    [NewRequest(_ID, ids, SamplingParams(), [])] if first else [],
+                    # the prompt ends at the first cut: the runner takes later one-token chunks for decodes
+                    [NewRequest(_ID, ids[:end], SamplingParams(), [])] if first else [],
                     zero_slots=[slot] if first and slot >= 0 else [],
                 )
                 logits.append(runner.model.compute_logits(runner.forward(plan)))

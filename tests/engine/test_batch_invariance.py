@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridserve.engine.llm import LLM
-from hybridserve.models.layers.native import KernelUnavailable, load_linear_kernels
+from hybridserve.models.layers.native import KernelUnavailable, load_linear_kernels, load_paged_attention
 from hybridserve.sampling_params import SamplingParams
 
 TOPICS = [
@@ -117,3 +117,27 @@ def test_bfloat16_batch_of_16_equals_each_alone(smollm2_dir):
     prompts = _prompts(llm)
     alone = [_run(llm, [p])[0] for p in prompts]
     assert _run(llm, prompts) == alone
+
+
+def test_bfloat16_prefill_in_chunks_or_after_a_prefix_hit_gives_the_same_tokens(smollm2_dir):
+    """bfloat16 with the native prefill attention: every query walks its keys in the same blocks and order
+    whether its prompt is prefilled whole, in 7-token chunks (a last chunk of one token included: it is not a
+    decode), or after a prefix hit, so the tokens agree (PyTorch's SDPA takes a different path for a chunk after
+    cached context and need not)."""
+    try:
+        if not load_paged_attention(torch.bfloat16, 64, 16, 3).prefills:
+            pytest.skip("native prefill attention needs AVX512-BF16")
+    except KernelUnavailable as exc:
+        pytest.skip(str(exc))
+    llm = LLM(str(smollm2_dir), dtype="bfloat16", device="cpu", enable_prefix_caching=False)
+    assert llm.core.runner.attention_kernels is not None and llm.core.runner.attention_kernels.prefills
+    prompts = _prompts(llm)
+    whole = _run(llm, prompts)
+    chunked = LLM(
+        str(smollm2_dir), dtype="bfloat16", device="cpu", enable_prefix_caching=False, long_prefill_token_threshold=7
+    )
+    assert _run(chunked, prompts) == whole
+    cached = LLM(str(smollm2_dir), dtype="bfloat16", device="cpu")
+    _run(cached, prompts[:1])  # the chat template's prefix and the first prompt are cached now
+    assert _run(cached, prompts) == whole
+    assert cached.core.kv.prefix_hits > 0

@@ -6,8 +6,10 @@ with one new token (decodes) are attended to together in one batched call; a mul
 (prefill) gets its own call, attending straight to its fresh keys when it has no cached context.
 
 With native kernels (native.py, loaded by the model runner on CPU) decodes read the blocks in place, and
-the layer rotates queries and keys and writes the cache in the same pass (`rope_and_cache`). Otherwise
-decodes gather their blocks into a dense buffer for stock matmuls (CUDA, or no compiler).
+the layer rotates queries and keys and writes the cache in the same pass (`rope_and_cache`); in bfloat16 on
+CPUs with AVX512-BF16 prefill chunks read their keys from the cache in place too, whole or after cached
+context alike. Otherwise decodes gather their blocks into a dense buffer for stock matmuls (CUDA, or no
+compiler), and prefills use SDPA.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class PrefillChunk:
     start: int  # slice of the flat batch
     end: int
     context_len: int  # tokens of this request already in the cache before the chunk
-    block_table: torch.Tensor | None  # [num_blocks], only when context_len > 0
-    mask: torch.Tensor | None  # [1, 1, q, context_len + q], only when context_len > 0
+    block_table: torch.Tensor | None  # [num_blocks], when context_len > 0 or the native kernel attends
+    mask: torch.Tensor | None  # [1, 1, q, context_len + q], only for SDPA when context_len > 0
 
 
 @dataclass
@@ -146,7 +148,12 @@ def paged_attention(
     out = q.new_empty(q.shape)
     if d is not None:
         out.index_copy_(0, d.token_index, _decode_group(q.index_select(0, d.token_index), cache, d, meta, scale))
+    kernels = meta.kernels
     for p in meta.prefills:
+        if kernels is not None and kernels.prefills:
+            assert p.block_table is not None, "native prefills get their block table"
+            out[p.start : p.end] = kernels.prefill(q[p.start : p.end], cache, p.block_table, p.context_len, scale)
+            continue
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if p.block_table is None:
             kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)

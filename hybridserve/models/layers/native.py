@@ -61,6 +61,10 @@ class PagedAttention:
         self._rope_write_kv = _function(lib, f"rope_write_kv_{name}", [_P, _I, _I, _I, _I, _P, _P, _P, _I, _P])
         # Whether bfloat16 key scores use the CPU's bf16 dot-product instructions (AVX512-BF16).
         self.bf16_dot = dtype == torch.bfloat16 and bool(_function(lib, "paged_decode_bf16_dot", [], ctypes.c_int)())
+        # Whether prefill chunks attend natively too (bfloat16 dot products, 16-token blocks); else SDPA.
+        self.prefills = self.bf16_dot and bool(_function(lib, "paged_prefill_available", [], ctypes.c_int)())
+        if self.prefills:
+            self._prefill = _function(lib, "paged_prefill_bf16", [_P, _I, _P, _I, _P, _I, _I, _P, _I, _I, _F], _I)
 
     def _check(self, q_heads: int, cache: torch.Tensor) -> None:
         if q_heads != self.group * cache.shape[1] or cache.shape[3:] != (self.block_size, self.head_dim):
@@ -95,6 +99,38 @@ class PagedAttention:
             cache.shape[1],
             scale,
         )
+        return out
+
+    def prefill(
+        self, q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, context_len: int, scale: float
+    ) -> torch.Tensor:
+        """A chunk of one request, causal, over its cached keys (the chunk's own written already). q: [n, Hq, D],
+        rows may be strided but each row contiguous; block_table: [W] int64 contiguous, covering context_len + n
+        tokens; context_len: the request's tokens before the chunk. Returns [n, Hq, D]. Only where `prefills`."""
+        n, hq, d = q.shape
+        self._check(hq, cache)
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        if block_table.numel() * self.block_size < context_len + n:
+            raise ValueError(
+                f"block table of {block_table.numel()} blocks cannot hold {context_len} + {n} tokens of a prefill"
+            )
+        out = torch.empty((n, hq, d), dtype=q.dtype)
+        status = self._prefill(
+            q.data_ptr(),
+            q.stride(0),
+            cache.data_ptr(),
+            cache.shape[2],
+            block_table.data_ptr(),
+            context_len,
+            n,
+            out.data_ptr(),
+            hq,
+            cache.shape[1],
+            scale,
+        )
+        if status != 0:
+            raise MemoryError(f"prefill attention found no memory to unpack {context_len + n} tokens of KV")
         return out
 
     def rope_write_kv(

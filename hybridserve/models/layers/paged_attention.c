@@ -195,3 +195,143 @@ int paged_decode_bf16_dot(void) {
 }
 DEFINE_ROPE_WRITE_KV(rope_write_kv_bf16, uint16_t, bf16_to_float, float_to_bf16, round_bf16)
 DEFINE_ROPE_WRITE_KV(rope_write_kv_f32, float, identity, identity, identity)
+
+/* Prefill, bfloat16 with AVX512-BF16 and 16-token blocks: a chunk's n queries (positions pos0 .. pos0 + n - 1
+ * of one request, `table` its block table) against the request's cached keys up to each query's own position
+ * (the step wrote the chunk's keys first, so a chunk after a prefix hit reads the prefix in place too).
+ *
+ * First every block the chunk sees is unpacked once per KV head: keys transposed into [HEAD_DIM / 2 pairs]
+ * [16 keys], so one dot-product instruction scores 16 keys against a pair of a query's dimensions, and values
+ * widened to float32. Then a work item is PREFILL_ROWS query tokens of one KV head, GROUP query vectors each,
+ * walking the blocks its last query sees, SCORE_TILE queries sharing each key vector. Online softmax and the
+ * sums in float32, as in decode. A query's result does not depend on the chunk or the item it falls in: every
+ * query walks the same blocks in the same order, so chunked and whole prefills agree bit for bit.
+ * Returns 0, or -1 when the unpacked blocks found no memory. */
+#if defined(BF16_DOT) && BLOCK_SIZE == 16
+#include <stdlib.h>
+#define PREFILL 1
+#define PREFILL_ROWS 16
+#define SCORE_TILE 12 /* query vectors scored together: their sums, a key vector and a broadcast in registers */
+#define VECTORS (PREFILL_ROWS * GROUP)
+
+typedef struct { /* past the context: zeros */
+    uint32_t keys[HEAD_DIM / 2][BLOCK_SIZE];       /* pairs of dimensions x keys */
+    uint16_t values[BLOCK_SIZE / 2][HEAD_DIM][2]; /* pairs of keys x dimensions */
+} unpacked_block;
+
+static void unpack_block(const uint16_t* kb, const uint16_t* vb, int nk, unpacked_block* u) {
+    for (int t = 0; t < BLOCK_SIZE; t++) {
+        for (int i = 0; i < HEAD_DIM / 2; i++) {
+            uint32_t two = 0;
+            if (t < nk) memcpy(&two, kb + t * HEAD_DIM + 2 * i, sizeof two);
+            u->keys[i][t] = two;
+        }
+        for (int d = 0; d < HEAD_DIM; d++) u->values[t / 2][d][t % 2] = t < nk ? vb[t * HEAD_DIM + d] : 0;
+    }
+}
+
+/* The item's query vectors v0 .. v0 + nt - 1 (nt <= SCORE_TILE) against one unpacked block. */
+static inline void attend_block(const uint16_t* const* qv, int v0, int nt, const unpacked_block* u, int64_t start,
+                                int nk, int64_t first_pos, float scale, float (*acc)[HEAD_DIM], float* run_max,
+                                float* run_sum) {
+    __m512 s[SCORE_TILE];
+    for (int r = 0; r < SCORE_TILE; r++) s[r] = _mm512_setzero_ps();
+    for (int i = 0; i < HEAD_DIM / 2; i++) {
+        const __m512bh k = (__m512bh)_mm512_load_si512((const void*)u->keys[i]);
+        for (int r = 0; r < SCORE_TILE; r++) { /* past nt: the tile's last vector again */
+            uint32_t two;
+            memcpy(&two, qv[v0 + (r < nt ? r : nt - 1)] + 2 * i, sizeof two);
+            s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32((int)two), k);
+        }
+    }
+    for (int r = 0; r < nt; r++) {
+        const int v = v0 + r;
+        const int64_t seen = first_pos + v / GROUP + 1 - start; /* this query sees the block's keys t < seen */
+        if (seen <= 0) continue;                                 /* the block is past it */
+        const int visible = seen < nk ? (int)seen : nk;
+        const __mmask16 mask = (__mmask16)((1u << visible) - 1);
+        const __m512 scores = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
+        const float seen_max = _mm512_mask_reduce_max_ps(mask, scores);
+        const float block_max = seen_max > run_max[v] ? seen_max : run_max[v];
+        const float rescale = exp_approx(run_max[v] - block_max);
+        float p[BLOCK_SIZE] __attribute__((aligned(64)));
+        _mm512_store_ps(p, _mm512_sub_ps(scores, _mm512_set1_ps(block_max)));
+#pragma omp simd
+        for (int t = 0; t < BLOCK_SIZE; t++) p[t] = exp_approx(p[t]);
+        const __m512 probs = _mm512_maskz_mov_ps(mask, _mm512_load_ps(p));
+        run_max[v] = block_max;
+        run_sum[v] = run_sum[v] * rescale + _mm512_reduce_add_ps(probs);
+        /* Weighted values by dot products over pairs of keys, the weights rounded to bf16 as PyTorch's CPU
+         * flash attention rounds them for its value matmul; the sums stay float32. */
+        uint32_t pairs[BLOCK_SIZE / 2] __attribute__((aligned(32)));
+        _mm256_store_si256((__m256i*)pairs, (__m256i)_mm512_cvtneps_pbh(probs));
+        __m512 a[HEAD_DIM / 16];
+        const __m512 rs = _mm512_set1_ps(rescale);
+        for (int c = 0; c < HEAD_DIM / 16; c++) a[c] = _mm512_mul_ps(_mm512_load_ps(acc[v] + 16 * c), rs);
+        for (int tp = 0; tp < (visible + 1) / 2; tp++) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[tp]);
+            for (int c = 0; c < HEAD_DIM / 16; c++)
+                a[c] = _mm512_dpbf16_ps(a[c], w, (__m512bh)_mm512_load_si512((const void*)u->values[tp][16 * c]));
+        }
+        for (int c = 0; c < HEAD_DIM / 16; c++) _mm512_store_ps(acc[v] + 16 * c, a[c]);
+    }
+}
+
+int paged_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* cache, int64_t num_blocks,
+                       const int64_t* table, int64_t pos0, int64_t n, uint16_t* out, int64_t q_heads,
+                       int64_t kv_heads, float scale) {
+    const int64_t head_stride = num_blocks * BLOCK_SIZE * HEAD_DIM, row_blocks = (n + PREFILL_ROWS - 1) / PREFILL_ROWS;
+    const int64_t context = pos0 + n, blocks = (context + BLOCK_SIZE - 1) / BLOCK_SIZE;
+    unpacked_block* unpacked = aligned_alloc(64, (size_t)(blocks * kv_heads) * sizeof(unpacked_block));
+    if (unpacked == 0) return -1;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < blocks * kv_heads; i++) {
+            const int64_t h = i / blocks, j = i % blocks, start = j * BLOCK_SIZE;
+            const int nk = context - start < BLOCK_SIZE ? (int)(context - start) : BLOCK_SIZE;
+            const int64_t offset = table[j] * BLOCK_SIZE * HEAD_DIM;
+            unpack_block(cache + h * head_stride + offset, cache + (kv_heads + h) * head_stride + offset, nk,
+                         unpacked + i);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < row_blocks * kv_heads; item++) {
+            /* The last rows see the most keys: they go first, so the threads end together. */
+            const int64_t i0 = (row_blocks - 1 - item / kv_heads) * PREFILL_ROWS, h = item % kv_heads;
+            const int rows = n - i0 < PREFILL_ROWS ? (int)(n - i0) : PREFILL_ROWS, nv = rows * GROUP;
+            const int64_t last = pos0 + i0 + rows - 1; /* the item's last query position: keys up to it */
+            float acc[VECTORS][HEAD_DIM] __attribute__((aligned(64)));
+            float run_max[VECTORS], run_sum[VECTORS];
+            const uint16_t* qv[VECTORS]; /* query vector v: row v / GROUP, head h * GROUP + v % GROUP */
+            for (int v = 0; v < nv; v++) {
+                qv[v] = q + (i0 + v / GROUP) * q_stride + (h * GROUP + v % GROUP) * HEAD_DIM;
+                run_max[v] = -INFINITY;
+                run_sum[v] = 0.0f;
+                for (int d = 0; d < HEAD_DIM; d++) acc[v][d] = 0.0f;
+            }
+            for (int64_t start = 0, j = 0; start <= last; start += BLOCK_SIZE, j++) {
+                const int nk = last + 1 - start < BLOCK_SIZE ? (int)(last + 1 - start) : BLOCK_SIZE;
+                for (int v0 = 0; v0 < nv; v0 += SCORE_TILE)
+                    attend_block(qv, v0, nv - v0 < SCORE_TILE ? nv - v0 : SCORE_TILE, unpacked + h * blocks + j,
+                                 start, nk, pos0 + i0, scale, acc, run_max, run_sum);
+            }
+            for (int v = 0; v < nv; v++) {
+                uint16_t* dst = out + ((i0 + v / GROUP) * q_heads + h * GROUP + v % GROUP) * HEAD_DIM;
+                const float inv = 1.0f / run_sum[v];
+                for (int d = 0; d < HEAD_DIM; d++) dst[d] = float_to_bf16(acc[v][d] * inv);
+            }
+        }
+    }
+    free(unpacked);
+    return 0;
+}
+#endif
+
+/* Whether paged_prefill_bf16 was built (bfloat16 dot products and 16-token blocks): 1 yes. */
+int paged_prefill_available(void) {
+#ifdef PREFILL
+    return 1;
+#else
+    return 0;
+#endif
+}
