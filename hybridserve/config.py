@@ -97,9 +97,10 @@ class EngineConfig:
     long_prefill_share: float = setting(
         0.25,
         "share of the step token budget a prefill chunk takes before the other requests of its priority have theirs "
-        "(new ones are admitted, shorter prefills go on), so a long prompt does not hold up short ones; what they "
-        "leave goes back to the prefills, fewest tokens left first, so a lone long prompt still fills the step (1: "
-        "a running prefill takes all the budget it can)",
+        "(shorter new prompts are admitted beside it, shorter prefills go on), so a long prompt does not hold up "
+        "short ones; what they leave goes back to the prefills, fewest tokens left first, so a lone long prompt "
+        "still fills the step, and only then are prompts no shorter admitted, in turn (1: a running prefill takes "
+        "all the budget it can)",
     )
     batch_step_tokens: int = setting(
         32,

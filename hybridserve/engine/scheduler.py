@@ -131,39 +131,51 @@ class Scheduler:
                 if background is not None and req.priority > urgent:
                     background -= n
                 i += 1
-        # Admitting new work right after a preemption would only thrash the cache.
-        while self.waiting and len(self.running) + len(self.pulling) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
-            if not (budget := self._top_up(scheduled, capped, budget, req.priority)):
-                break
-            if req.pull_from is not None and req.status is RequestStatus.WAITING:
-                if not self._admit_pull(req):
+        # Admitting new work right after a preemption would only thrash the cache. A first pass admits only
+        # prompts shorter than every prefill as urgent in the plan: they start beside it, each with its share.
+        # The chunks the share cut short then take what is left, and only then does a second pass admit the
+        # rest in turn, each taking all it can: a burst of prompts alike in length is prefilled one after
+        # another, each first token sooner, not all of them a share a step, finishing late together.
+        for shorter_only in (True, False):
+            while self.waiting and len(self.running) + len(self.pulling) < self.max_num_seqs and not preempted:
+                req = self.waiting[0]
+                if not (budget := self._top_up(scheduled, capped, budget, req.priority)):
                     break
-                continue
-            limit = budget if background is None or req.priority == urgent else min(budget, background)
-            if not limit:
-                break  # the queue is in priority order: the rest is as little urgent
-            cached = self.kv.find_cached_prefix(req)
-            num_cached = len(cached) * self.kv.block_size
-            n = self._chunk(req, num_cached, min(limit, self.prefill_share))
-            if not self.kv.allocate(req, n, cached):
-                break
-            self.waiting.popleft()
-            if req.status is RequestStatus.WAITING:  # first admission, not a resumption
-                req.num_cached_tokens = num_cached
-                new.append(self._introduce(req))
-            req.move_to(RequestStatus.RUNNING)
-            req.num_computed_tokens = num_cached
-            self._run(req)
-            if n == self.prefill_share:
-                capped.append(len(scheduled))
-            scheduled.append((req, n))
-            budget -= n
-            if background is not None and req.priority > urgent:
-                background -= n
-        # Leftover budget goes back to the chunks cut short, the less urgent ones within what is left of their share.
-        budget = self._top_up(scheduled, capped, budget, urgent + 1)
-        self._top_up(scheduled, capped, budget if background is None else min(budget, background))
+                if req.pull_from is not None and req.status is RequestStatus.WAITING:
+                    if not self._admit_pull(req):
+                        break
+                    continue
+                limit = budget if background is None or req.priority == urgent else min(budget, background)
+                if not limit:
+                    break  # the queue is in priority order: the rest is as little urgent
+                if shorter_only and not _shortest(req, scheduled):
+                    break
+                cached = self.kv.find_cached_prefix(req)
+                num_cached = len(cached) * self.kv.block_size
+                n = self._chunk(req, num_cached, min(limit, self.prefill_share) if shorter_only else limit)
+                if not self.kv.allocate(req, n, cached):
+                    break
+                self.waiting.popleft()
+                if req.status is RequestStatus.WAITING:  # first admission, not a resumption
+                    req.num_cached_tokens = num_cached
+                    new.append(self._introduce(req))
+                req.move_to(RequestStatus.RUNNING)
+                req.num_computed_tokens = num_cached
+                self._run(req)
+                if shorter_only and n == self.prefill_share:
+                    capped.append(len(scheduled))
+                scheduled.append((req, n))
+                budget -= n
+                if background is not None and req.priority > urgent:
+                    background -= n
+            # Leftover budget goes back to the chunks cut short, the less urgent ones within what is left of their
+            # share.
+            budget = self._top_up(scheduled, capped, budget, urgent + 1)
+            room = budget if background is None else min(budget, background)
+            spent = room - self._top_up(scheduled, capped, room)
+            budget -= spent
+            if background is not None:
+                background -= spent
         plan = [self._scheduled(req, n, drafts.get(req.request_id)) for req, n in scheduled]
         ops = self.kv.take_ops()
         finished, self.finished_ids = self.finished_ids, []
@@ -418,3 +430,14 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.num_accepted_tokens,
         )
+
+
+def _shortest(req: Request, scheduled: list[tuple[Request, int]]) -> bool:
+    """Whether waiting `req` has fewer tokens to prefill than every prefill as urgent already in the plan (its
+    prefix hits not yet looked up: it may have fewer still)."""
+    left = req.num_tokens - req.num_computed_tokens
+    for other, _ in scheduled:
+        other_left = other.num_tokens - other.num_computed_tokens  # 1: a decode, not a prefill
+        if other.priority <= req.priority and 1 < other_left <= left:
+            return False
+    return True

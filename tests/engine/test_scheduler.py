@@ -150,6 +150,19 @@ def test_a_short_request_is_admitted_while_a_long_prompt_is_chunked() -> None:
     assert h.step() == [("long", 12, True)]
 
 
+def test_a_burst_of_prompts_alike_in_length_is_prefilled_one_after_another() -> None:
+    """No prompt of the burst is shorter than the one before it, so none takes a share beside it: the first
+    samples in the first step, the next in the second, and so on (sharing every step, all three would sample
+    in the fourth)."""
+    h = Harness(max_num_batched_tokens=16)  # a share of 4 tokens
+    for name in "abc":
+        h.add(name, prompt(20, base=100 * ord(name)))
+    assert h.step() == [("a", 16, False)]
+    assert h.step() == [("a", 4, True), ("b", 12, False)]
+    assert h.step() == [("a", 1, True), ("b", 8, True), ("c", 7, False)]
+    assert h.step() == [("a", 1, True), ("b", 1, True), ("c", 13, True)]
+
+
 def test_a_lone_long_prompt_fills_the_budget_next_to_decodes() -> None:
     h = Harness(max_num_batched_tokens=16)
     h.add("a", prompt(3))
