@@ -13,31 +13,18 @@ markdown table (GFLOP/s in brackets); progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from benchmarks.report import say, write_csv
+from benchmarks.report import median_s, say, write_csv
 from hybridserve.engine.model_runner import choose_dtype
 from hybridserve.models.layers.linear import NativeLinear, PackedLinear
 from hybridserve.models.layers.native import load_linear_kernels
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "head": (576, 49152)}
 LAYERS = 30
-
-
-def median_s(fn: object, repeats: int) -> float:
-    assert callable(fn)
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,29 +16,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.report import say, write_csv
+from benchmarks.report import median_s, say, write_csv
 from hybridserve.engine.llm import LLM
 from hybridserve.models.layers.native import load_paged_attention
 from hybridserve.sampling_params import SamplingParams
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SIDES = (("sdpa", False), ("native", True))  # the column name, and whether the native prefill is on
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
 
 
 def layer_row(length: int, repeats: int, gen: torch.Generator) -> dict[str, object]:
@@ -50,8 +39,8 @@ def layer_row(length: int, repeats: int, gen: torch.Generator) -> dict[str, obje
     keys, values = (cache[i][:, table].reshape(KV_HEADS, -1, HEAD_DIM)[:, :length].unsqueeze(0) for i in (0, 1))
     qs = q.transpose(0, 1).unsqueeze(0)
     scale = HEAD_DIM**-0.5
-    native = median_ms(lambda: kernel.prefill(q, cache, table, 0, scale), repeats)
-    sdpa = median_ms(
+    native = 1000 * median_s(lambda: kernel.prefill(q, cache, table, 0, scale), repeats)
+    sdpa = 1000 * median_s(
         lambda: F.scaled_dot_product_attention(qs, keys, values, is_causal=True, scale=scale, enable_gqa=True), repeats
     )
     gflop = Q_HEADS * length * (length + 1) / 2 * HEAD_DIM * 4 / 1e9  # QK^T and PV over the visible keys

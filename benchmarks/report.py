@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -20,3 +22,14 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def median_s(fn: Callable[[], object], repeats: int) -> float:
+    """The median seconds of `repeats` calls of fn, after one call to warm it up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
