@@ -117,47 +117,47 @@ def _prefill_reference(q, cache, table, context_len):
     return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1)
 
 
-needs_native_prefill = pytest.mark.skipif(
-    not load_paged_attention(torch.bfloat16, 64, 16, 3).prefills, reason="native prefill needs AVX512-BF16"
-)
+@pytest.fixture(scope="module")
+def prefill_kernel() -> native.PagedAttention:
+    """The default model's attention kernels, where they prefill natively (bf16 dot products)."""
+    kernel = load_paged_attention(torch.bfloat16, 64, 16, 3)
+    if not kernel.prefills:
+        pytest.skip("native prefill needs AVX512-BF16")
+    return kernel
 
 
-@needs_native_prefill
 @pytest.mark.parametrize(
     ("context_len", "n"), [(0, 1), (0, 5), (0, 16), (0, 17), (0, 200), (7, 9), (16, 40), (33, 70), (100, 1)]
 )
-def test_prefill_matches_float64_reference(context_len, n):
+def test_prefill_matches_float64_reference(prefill_kernel, context_len, n):
     """Chunks from the start and after a prefix, on and around block boundaries, scattered blocks, queries
     strided as the model hands them over: within a bf16 step of exact causal attention."""
     gen = torch.Generator().manual_seed(context_len * 1000 + n)
-    kernel = load_paged_attention(torch.bfloat16, 64, 16, 3)
     cache = torch.randn(2, 3, 64, 16, 64, generator=gen).bfloat16()
     table = torch.randperm(64, generator=gen)[: -(-(context_len + n) // 16)].contiguous()
     qkv = torch.randn(n, 9 + 6, 64, generator=gen).bfloat16()
-    out = kernel.prefill(qkv[:, :9], cache, table, context_len, 64**-0.5)
+    out = prefill_kernel.prefill(qkv[:, :9], cache, table, context_len, 64**-0.5)
     ref = _prefill_reference(qkv[:, :9], cache, table, context_len)
     assert out.dtype == torch.bfloat16 and out.shape == (n, 9, 64)
     torch.testing.assert_close(out.double(), ref.bfloat16().double(), atol=1.5e-2, rtol=1.5e-2)
 
 
-@needs_native_prefill
-def test_prefill_in_chunks_equals_the_whole_prefill_bit_for_bit():
+def test_prefill_in_chunks_equals_the_whole_prefill_bit_for_bit(prefill_kernel):
     gen = torch.Generator().manual_seed(3)
-    kernel = load_paged_attention(torch.bfloat16, 64, 16, 3)
     cache = torch.randn(2, 3, 32, 16, 64, generator=gen).bfloat16()
     table = torch.randperm(32, generator=gen)[:19].contiguous()
     q = torch.randn(300, 9, 64, generator=gen).bfloat16()
-    whole = kernel.prefill(q, cache, table, 0, 0.125)
-    chunks = [kernel.prefill(q[a:b], cache, table, a, 0.125) for a, b in ((0, 37), (37, 160), (160, 299), (299, 300))]
+    whole = prefill_kernel.prefill(q, cache, table, 0, 0.125)
+    chunks = [
+        prefill_kernel.prefill(q[a:b], cache, table, a, 0.125) for a, b in ((0, 37), (37, 160), (160, 299), (299, 300))
+    ]
     assert torch.equal(torch.cat(chunks), whole)
 
 
-@needs_native_prefill
-def test_prefill_refuses_a_block_table_too_short():
-    kernel = load_paged_attention(torch.bfloat16, 64, 16, 3)
+def test_prefill_refuses_a_block_table_too_short(prefill_kernel):
     cache = torch.zeros(2, 3, 4, 16, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"block table of 2 blocks cannot hold 20 \+ 13 tokens of a prefill"):
-        kernel.prefill(torch.zeros(13, 9, 64, dtype=torch.bfloat16), cache, torch.tensor([0, 1]), 20, 0.125)
+        prefill_kernel.prefill(torch.zeros(13, 9, 64, dtype=torch.bfloat16), cache, torch.tensor([0, 1]), 20, 0.125)
 
 
 def test_native_prefill_only_with_bf16_dot_products_and_16_token_blocks():
