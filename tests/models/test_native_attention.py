@@ -88,6 +88,24 @@ def test_rope_and_cache_write_match_the_pytorch_path(dtype):
     assert torch.equal(results[1][3].view(2, kv_heads, -1, 64)[1][:, slots].transpose(0, 1), qkv[:, q_heads + 3 :])
 
 
+@pytest.mark.parametrize(
+    ("dtype", "portable"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
+@pytest.mark.parametrize("length", [1, 17, 30])
+def test_stale_rows_past_a_requests_length_never_reach_its_output(dtype, portable, length):
+    """The rows of its last block past a request's length hold whatever an earlier request left, NaN included."""
+    gen = torch.Generator().manual_seed(length)
+    cache = torch.randn(2, 3, 4, 16, 64, generator=gen).to(dtype)
+    table = torch.tensor([[3, 1]])
+    cache[:, :, 3 if length < 16 else 1, length % 16 :] = float("nan")
+    q = torch.randn(1, 9, 64, generator=gen).to(dtype)
+    kernel = load_paged_attention(dtype, 64, 16, 3, portable=portable)
+    out = kernel.decode(q, cache, table, torch.tensor([length]), 0.125)
+    ref = _reference(q, cache, table, torch.tensor([length]), 0.125)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref.to(dtype).double(), atol=1e-2, rtol=8e-3)
+
+
 def test_a_single_visible_key_returns_its_value():
     cache = torch.zeros(2, 1, 4, 16, 64)
     cache[1, 0, 2, 0] = torch.arange(64.0)
