@@ -363,32 +363,40 @@ static void unpack_block(const uint16_t* kb, const uint16_t* vb, int nk, unpacke
 static inline void attend_block(const uint16_t* const* qv, int v0, int nt, const unpacked_block* u, int64_t start,
                                 int nk, int64_t first_pos, float scale, float (*acc)[HEAD_DIM], float* run_max,
                                 float* run_sum) {
+    const uint16_t* tile[SCORE_TILE]; /* past nt: the tile's last vector again */
+    for (int r = 0; r < SCORE_TILE; r++) tile[r] = qv[v0 + (r < nt ? r : nt - 1)];
     __m512 s[SCORE_TILE];
     for (int r = 0; r < SCORE_TILE; r++) s[r] = _mm512_setzero_ps();
     for (int i = 0; i < HEAD_DIM / 2; i++) {
         const __m512bh k = (__m512bh)_mm512_load_si512((const void*)u->keys[i]);
-        for (int r = 0; r < SCORE_TILE; r++) { /* past nt: the tile's last vector again */
+        for (int r = 0; r < SCORE_TILE; r++) {
             uint32_t two;
-            memcpy(&two, qv[v0 + (r < nt ? r : nt - 1)] + 2 * i, sizeof two);
+            memcpy(&two, tile[r] + 2 * i, sizeof two);
             s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32((int)two), k);
         }
     }
+    /* Every vector's new maximum first, so that their rescales come from one vector exp. */
+    float shift[16] __attribute__((aligned(64))) = {0}, block_max[SCORE_TILE];
+    int visible[SCORE_TILE];
     for (int r = 0; r < nt; r++) {
         const int v = v0 + r;
         const int64_t seen = first_pos + v / GROUP + 1 - start; /* this query sees the block's keys t < seen */
-        if (seen <= 0) continue;                                 /* the block is past it */
-        const int visible = seen < nk ? (int)seen : nk;
-        const __mmask16 mask = (__mmask16)((1u << visible) - 1);
-        const __m512 scores = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
-        const float seen_max = _mm512_mask_reduce_max_ps(mask, scores);
-        const float block_max = seen_max > run_max[v] ? seen_max : run_max[v];
-        const float rescale = exp_approx(run_max[v] - block_max);
-        float p[BLOCK_SIZE] __attribute__((aligned(64)));
-        _mm512_store_ps(p, _mm512_sub_ps(scores, _mm512_set1_ps(block_max)));
-#pragma omp simd
-        for (int t = 0; t < BLOCK_SIZE; t++) p[t] = exp_approx(p[t]);
-        const __m512 probs = _mm512_maskz_mov_ps(mask, _mm512_load_ps(p));
-        run_max[v] = block_max;
+        visible[r] = seen <= 0 ? 0 : seen < nk ? (int)seen : nk;  /* none: the block is past it */
+        if (visible[r] == 0) continue;
+        s[r] = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
+        const float seen_max = _mm512_mask_reduce_max_ps((__mmask16)((1u << visible[r]) - 1), s[r]);
+        block_max[r] = seen_max > run_max[v] ? seen_max : run_max[v];
+        shift[r] = run_max[v] - block_max[r];
+    }
+    float rescales[16] __attribute__((aligned(64)));
+    _mm512_store_ps(rescales, exp_approx16(_mm512_load_ps(shift)));
+    for (int r = 0; r < nt; r++) {
+        if (visible[r] == 0) continue;
+        const int v = v0 + r;
+        const float rescale = rescales[r];
+        const __mmask16 mask = (__mmask16)((1u << visible[r]) - 1);
+        const __m512 probs = _mm512_maskz_mov_ps(mask, exp_approx16(_mm512_sub_ps(s[r], _mm512_set1_ps(block_max[r]))));
+        run_max[v] = block_max[r];
         run_sum[v] = run_sum[v] * rescale + _mm512_reduce_add_ps(probs);
         /* Weighted values by dot products over pairs of keys, the weights rounded to bf16 as PyTorch's CPU
          * flash attention rounds them for its value matmul; the sums stay float32. */
@@ -397,7 +405,7 @@ static inline void attend_block(const uint16_t* const* qv, int v0, int nt, const
         __m512 a[HEAD_DIM / 16];
         const __m512 rs = _mm512_set1_ps(rescale);
         for (int c = 0; c < HEAD_DIM / 16; c++) a[c] = _mm512_mul_ps(_mm512_load_ps(acc[v] + 16 * c), rs);
-        for (int tp = 0; tp < (visible + 1) / 2; tp++) {
+        for (int tp = 0; tp < (visible[r] + 1) / 2; tp++) {
             const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[tp]);
             for (int c = 0; c < HEAD_DIM / 16; c++)
                 a[c] = _mm512_dpbf16_ps(a[c], w, (__m512bh)_mm512_load_si512((const void*)u->values[tp][16 * c]));
