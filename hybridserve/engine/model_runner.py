@@ -31,6 +31,7 @@ from hybridserve.models.layers.native import (
     KernelUnavailable,
     LinearKernels,
     PagedAttention,
+    load_decoder_stack,
     load_fused_ops,
     load_kda_decode,
     load_linear_kernels,
@@ -206,6 +207,13 @@ class ModelRunner:
             ", bf16 dot-product instructions" if self.attention_kernels.bf16_dot else "",
             ", prefills too" if self.attention_kernels.prefills else "",
         )
+        use_stack = getattr(self.model, "use_decoder_stack", None)
+        if use_stack is not None and self.fused_ops is not None:
+            try:
+                use_stack(load_decoder_stack(), self.fused_ops, self.attention_kernels)
+                logger.info("decode-only steps: every decoder layer in one native call")
+            except KernelUnavailable as exc:
+                logger.info("decode-only steps go layer by layer: %s", exc)
 
     def check_integrity(self) -> None:
         if self.state_tensors is not None:

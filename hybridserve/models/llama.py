@@ -6,6 +6,8 @@ matmul each (`packed_modules`), packed by the loader.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -13,7 +15,8 @@ from transformers import PretrainedConfig
 from hybridserve.models.cache_specs import AttentionSpec
 from hybridserve.models.layers.activation import silu_mul
 from hybridserve.models.layers.attention import AttentionMetadata, paged_attention, rope_and_cache
-from hybridserve.models.layers.native import FusedOps
+from hybridserve.models.layers.linear import NativeLinear
+from hybridserve.models.layers.native import DecoderStack, FusedOps, KernelUnavailable, PagedAttention, StackLayer
 from hybridserve.models.layers.norm import RMSNorm
 from hybridserve.models.layers.rope import RotaryEmbedding
 
@@ -109,6 +112,50 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         attn = self.model.layers[0].self_attn
         self.rope = RotaryEmbedding(config, attn.head_dim)
+        self.decoder_stack: DecoderStack | None = None  # set by use_decoder_stack
+
+    def use_decoder_stack(self, library: Path, ops: FusedOps, attention: PagedAttention) -> None:
+        """Run decode-only steps through decoder_stack.c (`library`, native.load_decoder_stack) on these
+        kernels and the layers' native matmuls. Raises KernelUnavailable naming what this model lacks for it."""
+        layers = list(self.model.layers)
+        attn = layers[0].self_attn
+        if attn.qk_norm:
+            raise KernelUnavailable("the stack has no per-head QK norm (Qwen3)")
+        linears = [
+            m
+            for layer in layers
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        ]
+        if not all(isinstance(m, NativeLinear) and m.kernels is linears[0].kernels for m in linears):
+            raise KernelUnavailable("the decoder layers' matmuls are not all native")
+        self.decoder_stack = DecoderStack(
+            library,
+            ops,
+            attention,
+            linears[0].kernels,
+            [
+                StackLayer(
+                    layer.input_layernorm.weight.detach(),
+                    layer.post_attention_layernorm.weight.detach(),
+                    *(
+                        (m.panels, m.bias)
+                        for m in (
+                            layer.self_attn.qkv_proj,
+                            layer.self_attn.o_proj,
+                            layer.mlp.gate_up_proj,
+                            layer.mlp.down_proj,
+                        )
+                    ),
+                )
+                for layer in layers
+            ],
+            self.model.norm.weight.detach(),
+            q_heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads,
+            intermediate=layers[0].mlp.down_proj.in_features,
+            eps=layers[0].input_layernorm.eps,
+            scale=attn.scale,
+        )
 
     def cache_spec(self, block_size: int, dtype: torch.dtype) -> tuple[AttentionSpec, ...]:
         attn = self.model.layers[0].self_attn
@@ -120,8 +167,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
         x = self.model.embed_tokens(input_ids)
-        residual = None
         cos_sin = self.rope.cos_sin(positions)
+        d = meta.decode
+        if self.decoder_stack is not None and d is not None and not meta.prefills and meta.kernels is not None:
+            return self.decoder_stack(x, cos_sin, caches, meta.slot_mapping, d.block_tables, d.context_lens)
+        residual = None
         for layer, cache in zip(self.model.layers, caches, strict=True):
             x, residual = layer(x, residual, cos_sin, cache, meta)
         return self.model.norm(x, residual)[0]

@@ -30,6 +30,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -355,6 +356,153 @@ class KDADecode:
         return out
 
 
+class _StackLayer(ctypes.Structure):
+    """decoder_stack.c's per-layer record."""
+
+    _fields_ = [
+        *((name, _P) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")),
+        *((name, _P) for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "cache")),
+        ("num_blocks", _I),
+    ]
+
+
+class _Stack(ctypes.Structure):
+    """decoder_stack.c's stack record: the kernels it calls, the model's shapes, its layers."""
+
+    _fields_ = [
+        *((name, _P) for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "decode", "linear")),
+        *((name, _I) for name in ("layers", "hidden", "q_heads", "kv_heads", "head_dim", "intermediate")),
+        ("eps", _F),
+        ("scale", _F),
+        ("final_norm", _P),
+        ("layer", ctypes.POINTER(_StackLayer)),
+    ]
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """A Llama decoder layer's weights as decoder_stack.c takes them: the norms' weights, each matmul's packed
+    panels (LinearKernels.pack) and float32 bias or None."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: tuple[torch.Tensor, torch.Tensor | None]
+    o: tuple[torch.Tensor, torch.Tensor | None]
+    gate_up: tuple[torch.Tensor, torch.Tensor | None]
+    down: tuple[torch.Tensor, torch.Tensor | None]
+
+
+class DecoderStack:
+    """A decode-only step through every layer of a Llama-family model in one native call: the same kernels as
+    the modules call one by one (so bitwise the same hidden states), without the Python between them."""
+
+    def __init__(
+        self,
+        library: Path,
+        ops: FusedOps,
+        attention: PagedAttention,
+        linear: LinearKernels,
+        layers: list[StackLayer],
+        final_norm: torch.Tensor,
+        *,
+        q_heads: int,
+        kv_heads: int,
+        intermediate: int,
+        eps: float,
+        scale: float,
+    ) -> None:
+        dtype = self.dtype = final_norm.dtype
+        if dtype != attention.dtype or dtype not in linear.dtypes:
+            raise KernelUnavailable(f"{dtype} weights but {attention.dtype} attention kernels or no {dtype} matmuls")
+        lib, name = ctypes.CDLL(str(library)), _DTYPES[dtype]
+        self._run = _function(lib, f"decoder_stack_{name}", [_P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P])
+        self._workspace = _function(lib, "decoder_stack_workspace", [_I] * 6, _I)
+        self.hidden, self.q_heads, self.kv_heads, self.intermediate = (
+            final_norm.numel(),
+            q_heads,
+            kv_heads,
+            intermediate,
+        )
+        self._layers = (_StackLayer * len(layers))()
+        self._weights = layers, final_norm  # the records point into these
+        for record, layer in zip(self._layers, layers, strict=True):
+            record.input_norm, record.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            for field_name in ("qkv", "o", "gate_up", "down"):
+                panels, bias = getattr(layer, field_name)
+                setattr(record, field_name, panels.data_ptr())
+                setattr(record, f"{field_name}_bias", None if bias is None else bias.data_ptr())
+        kernels = (ops._add_rms_norm[dtype], ops._silu_mul[dtype], attention._rope_write_kv, attention._decode)
+        self._stack = _Stack(
+            *(ctypes.cast(fn, _P).value for fn in (*kernels, linear._linear[dtype])),
+            len(layers),
+            self.hidden,
+            q_heads,
+            kv_heads,
+            attention.head_dim,
+            intermediate,
+            eps,
+            scale,
+            final_norm.data_ptr(),
+            self._layers,
+        )
+        self.attention = attention
+        self._caches: tuple[int, ...] = ()
+
+    def _bind(self, caches: list[torch.Tensor]) -> None:
+        """Point the layer records at these caches ([2, Hkv, num_blocks, block_size, D] each)."""
+        if len(caches) != len(self._layers):
+            raise ValueError(f"{len(caches)} caches for a stack of {len(self._layers)} layers")
+        for record, cache in zip(self._layers, caches, strict=True):
+            self.attention._check(self.q_heads, cache)
+            if not cache.is_contiguous() or cache.dtype != self.dtype or cache.shape[1] != self.kv_heads:
+                raise ValueError(
+                    f"caches must be contiguous {self.dtype} with {self.kv_heads} KV heads, got {cache.dtype} "
+                    f"{tuple(cache.shape)}"
+                )
+            record.cache, record.num_blocks = cache.data_ptr(), cache.shape[2]
+        self._caches = tuple(c.data_ptr() for c in caches)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        caches: list[torch.Tensor],
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """x: [B, hidden] embeddings of one decode token per request (used as the residual stream, so it is
+        overwritten); cos_sin: rope.py's [B, 1, D] tables; slots, block_tables, context_lens: the decode group's
+        (int64, contiguous). Returns the hidden states after the final norm, [B, hidden]."""
+        if tuple(c.data_ptr() for c in caches) != self._caches:
+            self._bind(caches)
+        b = x.shape[0]
+        if x.shape != (b, self.hidden) or x.dtype != self.dtype or not x.is_contiguous():
+            raise ValueError(f"x must be contiguous {self.dtype} [B, {self.hidden}], got {x.dtype} {tuple(x.shape)}")
+        if block_tables.shape[0] != b or block_tables.stride(1) != 1:
+            raise ValueError(f"block tables must be [{b}, W] with contiguous rows, got {tuple(block_tables.shape)}")
+        work = torch.empty(
+            self._workspace(b, self.hidden, self.q_heads, self.kv_heads, self.attention.head_dim, self.intermediate),
+            dtype=self.dtype,
+        )
+        out = torch.empty_like(x)
+        cos, sin = cos_sin
+        self._run(
+            ctypes.byref(self._stack),
+            x.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            context_lens.data_ptr(),
+            b,
+            work.data_ptr(),
+            out.data_ptr(),
+        )
+        return out
+
+
 def load_paged_attention(
     dtype: torch.dtype, head_dim: int, block_size: int, group: int, *, portable: bool = False
 ) -> PagedAttention:
@@ -377,6 +525,12 @@ def load_linear_kernels() -> LinearKernels:
     """The matmul kernels (float32, and bfloat16 where the CPU has AVX512-BF16), built on first use. Raises
     KernelUnavailable naming the reason."""
     return LinearKernels(_build("linear", {}))
+
+
+def load_decoder_stack() -> Path:
+    """The decode-step loop over a Llama model's layers (decoder_stack.c), built on first use: the library
+    DecoderStack loads. Raises KernelUnavailable naming the reason."""
+    return _build("decoder_stack", {})
 
 
 def load_kda_decode(head_dim: int) -> KDADecode:
