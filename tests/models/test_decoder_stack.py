@@ -14,6 +14,7 @@ from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.plan import NewRequest, ScheduledRequest, SchedulerOutput
 from hybridserve.models.layers import native
 from hybridserve.sampling_params import SamplingParams
+from tests.models.test_llama_family import save_random
 
 TINY = dict(
     vocab_size=256,
@@ -27,21 +28,11 @@ TINY = dict(
 )
 
 
-def _save(config, path: Path) -> Path:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # biases and norms start at 0 and 1: randomise them so a dropped one shows
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def biased_llama(tmp_path_factory) -> Path:
     """Biases on all four matmuls, three query heads per KV head."""
     config = LlamaConfig(**TINY, attention_bias=True, mlp_bias=True)
-    return _save(config, tmp_path_factory.mktemp("stack") / "llama-bias")
+    return save_random(config, tmp_path_factory.mktemp("stack") / "llama-bias")
 
 
 def _runner(path: Path, dtype: str, block_size: int) -> ModelRunner:
@@ -120,7 +111,7 @@ def test_stack_matches_transformers_greedy(biased_llama: Path) -> None:
 
 
 def test_models_the_stack_cannot_run_go_layer_by_layer(tmp_path: Path, caplog) -> None:
-    path = _save(Qwen3Config(**TINY, head_dim=16), tmp_path / "qwen3")
+    path = save_random(Qwen3Config(**TINY, head_dim=16), tmp_path / "qwen3")
     with caplog.at_level(logging.INFO, logger="hybridserve.engine"):
         runner = ModelRunner(EngineConfig(dtype="float32", device="cpu", block_size=4, num_kv_blocks=8), path)
     assert runner.model.decoder_stack is None

@@ -42,7 +42,8 @@ CONFIGS = {
 }
 
 
-def _save(config, path: Path) -> Path:
+def save_random(config, path: Path) -> Path:
+    """A transformers checkpoint of `config` with every parameter random, saved under `path`."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # biases and norms start at 0 and 1: randomise them so a dropped one shows
@@ -55,7 +56,7 @@ def _save(config, path: Path) -> Path:
 @pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "pytorch-ops"])
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_logits_match_transformers(arch: str, native: bool, tmp_path: Path) -> None:
-    path = _save(CONFIGS[arch](), tmp_path / arch)
+    path = save_random(CONFIGS[arch](), tmp_path / arch)
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     config = EngineConfig(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, native_kernels=native)
     runner = ModelRunner(config, path)
@@ -68,16 +69,16 @@ def test_logits_match_transformers(arch: str, native: bool, tmp_path: Path) -> N
 
 def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
     """Full attention equals sliding-window attention only inside the window: the context stops there."""
-    path = _save(MistralConfig(**TINY, sliding_window=64), tmp_path / "mistral-sw")
+    path = save_random(MistralConfig(**TINY, sliding_window=64), tmp_path / "mistral-sw")
     runner = ModelRunner(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8), path)
     assert runner.max_position == 64
-    qwen = _save(Qwen2Config(**TINY, sliding_window=64, use_sliding_window=False), tmp_path / "qwen2-no-sw")
+    qwen = save_random(Qwen2Config(**TINY, sliding_window=64, use_sliding_window=False), tmp_path / "qwen2-no-sw")
     assert ModelRunner(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=8), qwen).max_position == 512
 
 
 def test_unknown_architecture_is_named(tmp_path: Path) -> None:
     config = LlamaConfig(**TINY)
-    path = _save(config, tmp_path / "odd")
+    path = save_random(config, tmp_path / "odd")
     cfg = (path / "config.json").read_text().replace('"LlamaForCausalLM"', '"GPT2LMHeadModel"')
     (path / "config.json").write_text(cfg)
     with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\]"):
