@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from benchmarks.report import say, write_csv
+from hybridserve.engine import roofline
 from hybridserve.engine.fanout import expand
 from hybridserve.engine.llm import LLM
 from hybridserve.models.loader import resolve_model
@@ -56,43 +56,21 @@ class StepRow:
     step_gflop: float
 
 
-def _best(fn: object, repeats: int) -> float:
-    assert callable(fn)
-    fn()  # warm-up: first touch, kernel selection
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def measure_machine(dtype: torch.dtype, repeats: int) -> Machine:
-    x = torch.ones(256 * 1024**2, dtype=torch.float32)  # 1 GiB, far beyond the caches
-    read = x.numel() * x.element_size() / _best(lambda: x.sum(), repeats)
-    n = 2048
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    gemm = 2 * n**3 / _best(lambda: torch.mm(a, b), repeats)
-    return Machine(torch.get_num_threads(), str(dtype).removeprefix("torch."), read / 1e9, gemm / 1e9)
+    """Read bandwidth over 1 GiB (far beyond the caches) and 2048-square GEMMs, with the engine's threads."""
+    limits = roofline.measure(torch.device("cpu"), dtype, read_mib=1024, gemm_n=2048, repeats=repeats)
+    return Machine(torch.get_num_threads(), str(dtype).removeprefix("torch."), limits.read_gb_s, limits.gemm_gflop_s)
 
 
-def model_costs(hf_dir: Path, itemsize: int) -> tuple[int, int, int, int]:
-    """(weight bytes a batch-1 step reads, matmul parameters per token, layers, attention width) of the
-    checkpoint's model, counted on the meta device. An input embedding is read a row a token, unless it is
-    tied to the head, which reads it whole."""
+def model_costs(hf_dir: Path) -> tuple[roofline.ModelCosts, int, int]:
+    """(what a step reads and multiplies, layers, attention width) of the checkpoint's model, counted on the
+    meta device."""
     config = load_config(hf_dir)
     with torch.device("meta"):
         model = model_class(config)(config)
-    params = {id(p): p for p in model.parameters()}.values()
-    matmul_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    lookup_only = sum(
-        m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding) and id(m.weight) not in matmul_weights
-    )
-    read = sum(p.numel() for p in params) - lookup_only
-    matmul = sum(p.numel() for p in params if id(p) in matmul_weights)
     heads = config.num_attention_heads
     width = heads * getattr(config, "head_dim", None) if getattr(config, "head_dim", None) else config.hidden_size
-    return read * itemsize, matmul, config.num_hidden_layers, width
+    return roofline.model_costs(model), config.num_hidden_layers, width
 
 
 def step_times(llm: LLM, batch: int, steps: int, gen: torch.Generator) -> tuple[float, int]:
@@ -122,7 +100,8 @@ def run(args: argparse.Namespace) -> tuple[Machine, list[StepRow]]:
     machine = measure_machine(runner.dtype, args.repeats)
     say(f"machine: {machine}")
     hf_dir = resolve_model(args.model).hf_dir
-    weight_bytes, matmul_params, layers, width = model_costs(hf_dir, runner.dtype.itemsize)
+    costs, layers, width = model_costs(hf_dir)
+    weight_bytes, matmul_params = costs.read_params * runner.dtype.itemsize, costs.matmul_params
     rows = []
     gen = torch.Generator().manual_seed(0)
     step_times(llm, 1, 4, gen)  # warm-up

@@ -38,7 +38,8 @@ def _check_int(name: str, value: object, least: int) -> None:
 class SpeculativeConfig:
     """Speculative decoding: each decoding request proposes up to `num_speculative_tokens` tokens from its own
     tokens (ngram: prompt lookup; suffix: suffix trees, engine/suffix_drafting.py) and the model verifies them
-    in the same step."""
+    in the same step. How many a request may propose in a step depends on the step and on how often its drafts
+    were accepted (scheduler.py, `Scheduler._draft_lengths`)."""
 
     method: str
     num_speculative_tokens: int
@@ -52,6 +53,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0  # suffix: a draft is at most this times the match's length
     suffix_decoding_min_token_prob: float = 0.1  # suffix: the draft stops where its estimated probability falls below
+    # What reading the weights once costs, in tokens' compute: drafts are sized against it. None: measured at
+    # start-up (roofline.py); a large value drafts whatever the batch; 0 prices a step by its tokens alone.
+    weight_read_tokens: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -70,6 +74,9 @@ class SpeculativeConfig:
             raise _bad(f"suffix_decoding_max_spec_factor must be a number above 0, got {factor!r}")
         if not _is_number(prob) or not 0 <= prob <= 1:
             raise _bad(f"suffix_decoding_min_token_prob must be a number from 0 to 1, got {prob!r}")
+        reads = self.weight_read_tokens
+        if reads is not None and (not _is_number(reads) or not reads >= 0):
+            raise _bad(f"weight_read_tokens must be a number of at least 0, got {reads!r}")
         defaults = {f.name: f.default for f in fields(self)}
         for method, keys in _METHOD_KEYS.items():
             for key in keys if method != self.method else ():

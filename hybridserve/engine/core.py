@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
@@ -66,7 +67,10 @@ class EngineCore:
             self.runner.num_state_snapshots,
             events,
         )
-        self.scheduler = Scheduler(config, self.kv, self.runner.device.type)
+        spec = config.speculative_config
+        measure = spec is not None and spec.weight_read_tokens is None
+        reads = self.runner.weight_read_tokens() if measure else math.inf
+        self.scheduler = Scheduler(config, self.kv, self.runner.device.type, reads)
         self.connector: KVConnector | None = None
         if config.role != "both":
             settings = TransferSettings(

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from hybridserve.config import EngineConfig
+from hybridserve.engine import roofline
 from hybridserve.engine.cache.state_tensors import StateTensors
 from hybridserve.engine.plan import ScheduledRequest, SchedulerOutput
 from hybridserve.engine.prompt_logprobs import PromptLogprobs
@@ -99,6 +100,7 @@ class ModelRunner:
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.to(self.device, self.dtype)
+        self.costs = roofline.model_costs(model)  # before the linear layers are swapped for packed ones
         if can_pack(self.device):
             pack_linears(model, self._linear_kernels(config))
         self.model = model.eval()
@@ -157,6 +159,21 @@ class ModelRunner:
             self._load_native_kernels()
         self.sampler = Sampler(self.vocab_size, self.fused_ops)
         self.requests: dict[str, _RunnerRequest] = {}  # every request an earlier plan scheduled and none finished
+
+    def weight_read_tokens(self) -> float:
+        """What reading this model's weights once costs on this device, in tokens' compute: measured now
+        (roofline.py, a fraction of a second), logged."""
+        limits = roofline.measure(self.device, self.dtype)
+        tokens = roofline.weight_read_tokens(self.costs, self.dtype.itemsize, limits)
+        logger.info(
+            "speculative decoding: a step's weight read costs %.1f tokens' compute (%.1f GB/s read, %.0f GFLOP/s "
+            "GEMM in %s); drafts are sized against it",
+            tokens,
+            limits.read_gb_s,
+            limits.gemm_gflop_s,
+            self.dtype,
+        )
+        return tokens
 
     def _linear_kernels(self, config: EngineConfig) -> LinearKernels | None:
         """The native matmuls for the linear layers, or None (oneDNN's then) with a log line naming why."""

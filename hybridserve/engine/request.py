@@ -56,6 +56,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
+        # Speculative decoding: its draft tokens judged so far, accepted and rejected (a verification rejects
+        # at most one; the tokens after it are not judged).
+        self.draft_accepted = 0
+        self.draft_rejections = 0
         # Set once the grammar of params.structured_output is compiled, before the request is scheduled.
         self.grammar: SequenceGrammar | None = None
         budget = max_model_len - len(self.prompt_token_ids)

@@ -26,8 +26,9 @@ step budget) when the transfer gate lets it; the connector reads into them and c
 it runs like any other request, starting with the first token the prefill worker sampled.
 
 Speculative decoding (`--speculative-config`): a decoding request also takes the tokens its proposer drafts
-(drafting.py) after its last known token, within the step's budget and its output limit, so the runner scores
-them in the same step; a draft never costs a preemption (the request then decodes without one). Update keeps
+(drafting.py) after its last known token, within the step's budget, its output limit and the draft length the
+step's cost allows it (`_draft_lengths`), so the runner scores them in the same step; a draft never costs a
+preemption (the request then decodes without one). Update keeps
 the tokens the sampler accepted and moves the request's computed tokens back past the rejected ones: their KV
 slots are overwritten later, and no block holding them becomes findable (blocks are findable only up to the
 known tokens). The proposer keeps what it knows of a request until the request is released (finished, aborted
@@ -36,6 +37,7 @@ or failed); a preempted one keeps it, its tokens being the same when it resumes.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Mapping
 
@@ -49,9 +51,17 @@ from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.sampler import SampleResult
 from hybridserve.engine.suffix_drafting import SuffixProposer
 
+# Draft tokens a request's verifications must have judged before its acceptance alone sizes its drafts.
+_EXPLORE = 4
+
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, device_type: str) -> None:
+    def __init__(
+        self, config: EngineConfig, kv: KVCacheManager, device_type: str, weight_read_tokens: float = math.inf
+    ) -> None:
+        """`weight_read_tokens`: speculative decoding's cost of a step's weight read in tokens (roofline.py), the
+        engine's measurement, used unless the speculative config names one; unbounded, a request drafts all its
+        proposer offers."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.token_budget(device_type)
         self.chunk_limit = config.long_prefill_token_threshold or self.max_num_batched_tokens
@@ -74,6 +84,9 @@ class Scheduler:
         self.proposer: Proposer | None = None
         if spec is not None:
             self.proposer = SuffixProposer(spec) if spec.method == "suffix" else NgramProposer(spec)
+            if spec.weight_read_tokens is not None:
+                weight_read_tokens = spec.weight_read_tokens
+        self.weight_read_tokens = weight_read_tokens
         self.num_drafts = 0  # steps in which a request verified a draft
         self.num_draft_tokens = 0  # draft tokens verified
         self.num_accepted_tokens = 0  # of which accepted
@@ -95,6 +108,7 @@ class Scheduler:
         new, self._introduced = self._introduced, []
         capped: list[int] = []  # the entries of `scheduled` that took the prefill share, which may get more
         drafts: dict[str, list[int]] = {}  # speculative decoding: tokens proposed after a request's last one
+        lengths = {} if self.proposer is None else self._draft_lengths(self.proposer)
         # Work less urgent than the most urgent present (batch beside online) shares a smaller budget, so the
         # steps that online requests wait for and run in stay short.
         urgent = min((r.priority for r in (*self.running, *self.waiting)), default=0)
@@ -110,7 +124,8 @@ class Scheduler:
                 i += 1  # less urgent work, over its share this step
                 continue
             n = self._chunk(req, req.num_computed_tokens, min(limit, self.prefill_share))
-            draft = [] if self.proposer is None else self._draft(self.proposer, req, limit)
+            length = lengths.get(req.request_id, 0)
+            draft = [] if self.proposer is None or not length else self._draft(self.proposer, req, limit, length)
             while not self.kv.allocate(req, n + len(draft)):
                 if draft:  # no proposal is worth a preemption
                     draft = []
@@ -237,16 +252,50 @@ class Scheduler:
         blocks = self.kv.block_ids(req.request_id)[: -(-prompt // self.kv.block_size)]
         return TransferSource(self.transfer_agent, req.request_id, blocks, slot, prompt, req.num_cached_tokens)
 
-    def _draft(self, proposer: Proposer, req: Request, budget: int) -> list[int]:
-        """The tokens proposed after a decoding request's last one: at most what the step's `budget` leaves
-        after that token and one fewer than the request may still produce (the token sampled after an accepted
-        draft is one more). None while it prefills, nor under a grammar (the mask would have to advance over the
-        draft)."""
+    def _may_draft(self, req: Request) -> bool:
+        """Whether `req` decodes this step and may draft: not while it prefills, nor under a grammar (the mask
+        would have to advance over the draft), nor where its step ends at a block boundary of a hybrid model
+        (the recurrent state is snapshotted there: no draft past it)."""
         if req.num_computed_tokens != req.num_tokens - 1 or not req.output_token_ids or req.grammar is not None:
-            return []
-        if self.kv.snapshots is not None and req.num_tokens % self.kv.block_size == 0:
-            return []  # a step ending at a block boundary snapshots the recurrent state there: no draft past it
-        room = min(proposer.num_speculative_tokens, budget - 1, req.max_output_tokens - len(req.output_token_ids) - 1)
+            return False
+        return self.kv.snapshots is None or req.num_tokens % self.kv.block_size != 0
+
+    def _draft_lengths(self, proposer: Proposer) -> dict[str, int]:
+        """How many tokens each request that may draft may propose this step, sized so the step yields the most
+        tokens for its cost. A step of N tokens costs about W + N tokens' compute (W = weight_read_tokens: the
+        weights are read once, whatever N), and a request's k-th draft token is accepted with probability a^k,
+        `a` its acceptance so far, (accepted + 1) / (judged + 2). Draft tokens are taken most probable first
+        while each raises the step's expected tokens per cost, p > Y / (W + N) with Y the tokens expected so
+        far: a lone request drafts deep, since its step costs about W anyway; a wide batch drafts only tokens
+        nearly sure to be accepted; a request whose drafts keep failing stops drafting. Until its
+        verifications have judged _EXPLORE tokens, a request drafts at least one: its acceptance is learnt."""
+        decoding = [r for r in self.running if self._may_draft(r)]
+        candidates: list[tuple[float, int]] = []  # (probability of acceptance, request's index in `decoding`)
+        for i, req in enumerate(decoding):
+            judged = req.draft_accepted + req.draft_rejections
+            rate, p = (req.draft_accepted + 1) / (judged + 2), 1.0
+            for _ in range(proposer.num_speculative_tokens):
+                p *= rate
+                candidates.append((p, i))
+        candidates.sort(key=lambda c: -c[0])  # stable: equals keep the batch order
+        counts = [0] * len(decoding)
+        expected = tokens = float(len(decoding))
+        for p, i in candidates:
+            if p * (self.weight_read_tokens + tokens) <= expected:
+                break
+            counts[i] += 1
+            expected += p
+            tokens += 1
+        for i, req in enumerate(decoding):
+            if req.draft_accepted + req.draft_rejections < _EXPLORE:
+                counts[i] = max(counts[i], 1)
+        return {req.request_id: n for req, n in zip(decoding, counts, strict=True) if n}
+
+    def _draft(self, proposer: Proposer, req: Request, budget: int, length: int) -> list[int]:
+        """The tokens proposed after a decoding request's last one: at most `length`, what the step's `budget`
+        leaves after that token and one fewer than the request may still produce (the token sampled after an
+        accepted draft is one more)."""
+        room = min(length, budget - 1, req.max_output_tokens - len(req.output_token_ids) - 1)
         return proposer.propose(req.request_id, req.prompt_token_ids, req.output_token_ids, room)
 
     def _chunk(self, req: Request, start: int, budget: int) -> int:
@@ -347,7 +396,10 @@ class Scheduler:
         for s in plan.scheduled:
             if s.num_draft:
                 accepted = len(sampled[s.request_id].accepted)
-                self.requests[s.request_id].num_computed_tokens -= s.num_draft - accepted
+                req = self.requests[s.request_id]
+                req.num_computed_tokens -= s.num_draft - accepted
+                req.draft_accepted += accepted
+                req.draft_rejections += accepted < s.num_draft
                 self.num_drafts += 1
                 self.num_draft_tokens += s.num_draft
                 self.num_accepted_tokens += accepted

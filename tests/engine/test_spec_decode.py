@@ -26,6 +26,9 @@ from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.speculative import SpeculativeConfig, parse_speculative_config
 
 NGRAM = SpeculativeConfig("ngram", 4)
+# The engine tests check verification on every path with drafts as deep as the proposer offers; how deep a step
+# lets them go is tested on its own below.
+DEEP = SpeculativeConfig("ngram", 4, weight_read_tokens=float("inf"))
 TEXT = "The quick brown fox jumps over the lazy dog while the farmer sleeps under the old oak tree."
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
@@ -40,6 +43,8 @@ def test_config_parses_vllm_json():
     assert config == SpeculativeConfig("ngram", 3, prompt_lookup_max=5, prompt_lookup_min=2)
     as_mapping = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})  # type: ignore[arg-type]
     assert as_mapping.speculative_config == SpeculativeConfig("ngram", 2)
+    text = '{"method": "suffix", "num_speculative_tokens": 8, "weight_read_tokens": 12.5}'
+    assert parse_speculative_config(text) == SpeculativeConfig("suffix", 8, weight_read_tokens=12.5)
 
 
 @pytest.mark.parametrize(
@@ -51,6 +56,9 @@ def test_config_parses_vllm_json():
         ('{"method": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens"),
         ('{"method": "ngram"}', "num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 5}', "prompt_lookup_min"),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "weight_read_tokens": -1}', "weight_read_tokens.*-1"),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "weight_read_tokens": "8"}', "weight_read_tokens.*'8'"),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "weight_read_tokens": NaN}', "weight_read_tokens.*nan"),
         ("[4]", "JSON object"),
         ("{method: ngram}", "not valid JSON"),
     ],
@@ -195,6 +203,54 @@ def test_scheduler_gives_grammar_requests_no_drafts():
     assert [s.num_draft for s in sched.schedule().scheduled] == [0]
 
 
+def _decoding_batch(size: int, reads: float, accepted: int, rejections: int) -> Scheduler:
+    """`size` requests decoding side by side, each with drafts judged `accepted` + `rejections` times so far,
+    under a step cost of `reads` tokens for the weight read."""
+    spec = SpeculativeConfig("ngram", 4, weight_read_tokens=reads)
+    sched = Scheduler(EngineConfig(block_size=4, speculative_config=spec), KVCacheManager(512, 4, True), "cpu")
+    reqs = [Request(EngineCoreRequest(f"r{i}", list(REPEATING), GREEDY, [0], 0.0), 1024) for i in range(size)]
+    for req in reqs:
+        sched.add(req)
+    while any(not r.output_token_ids for r in reqs):
+        plan = sched.schedule()
+        sched.update(plan, {s.request_id: SampleResult(8, None) for s in plan.scheduled if s.samples})
+    for req in reqs:
+        req.draft_accepted, req.draft_rejections = accepted, rejections
+    return sched
+
+
+@pytest.mark.parametrize(
+    ("size", "reads", "accepted", "rejections", "drafted"),
+    [
+        # Alone, a step costs about the weight read whatever it holds: 3 of a new request's 4 (each kept with
+        # probability 1/2, 1/4, 1/8, 1/16) raise the tokens a step is expected to yield per cost, 1 / (12 + 1).
+        (1, 12.0, 0, 0, [3]),
+        (1, 12.0, 40, 0, [4]),  # drafts that were always kept: all four
+        (1, float("inf"), 0, 0, [4]),  # a weight read that costs everything: as deep as the proposer offers
+        # 32 side by side cost 12 + 32 tokens' compute: a token kept with probability 1/2 is not worth its cost,
+        # but a new request still tries one (its acceptance is unknown); at 39 of 40 kept, the fourth token
+        # (kept with probability 0.82) is the first not worth it.
+        (32, 12.0, 0, 0, [1] * 32),
+        (32, 12.0, 2, 2, [0] * 32),
+        (32, 12.0, 39, 1, [3] * 32),
+        (32, 0.0, 39, 1, [0] * 32),  # priced by its tokens alone, a step gains from no draft
+    ],
+)
+def test_draft_lengths_follow_the_step_cost_and_the_acceptance(size, reads, accepted, rejections, drafted):
+    sched = _decoding_batch(size, reads, accepted, rejections)
+    assert [s.num_draft for s in sched.schedule().scheduled] == drafted
+
+
+def test_a_request_s_acceptance_is_counted_per_judged_token():
+    sched, _ = _scheduler()
+    req = _decoding(sched, max_tokens=40)
+    sched.update(sched.schedule(), {"a": _result(9, 5, 6)})  # two kept, the third rejected
+    assert (req.draft_accepted, req.draft_rejections) == (2, 1)
+    plan = sched.schedule()
+    sched.update(plan, {"a": _result(1, *plan.scheduled[0].token_ids[1:])})  # every draft kept: none rejected
+    assert (req.draft_accepted, req.draft_rejections) == (2 + plan.scheduled[0].num_draft, 1)
+
+
 # --- the sampler: verification ---------------------------------------------------------------------------------
 
 
@@ -304,7 +360,7 @@ def base(smollm2_dir) -> LLM:
 
 @pytest.fixture(scope="module")
 def spec(smollm2_dir) -> LLM:
-    return _llm(smollm2_dir, speculative_config=NGRAM)
+    return _llm(smollm2_dir, speculative_config=DEEP)
 
 
 def _prompts(llm: LLM, texts: list[str]) -> list[list[int]]:
@@ -337,6 +393,18 @@ def test_greedy_batch_is_identical_and_drafts_are_accepted(base, spec):
     assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
     # The same prompts again hit the prefix cache the first run filled: no rejected draft's KV was findable.
     assert _ids(_run(spec, prompts)) == expected
+
+
+def test_the_engine_measures_what_a_step_costs_and_stays_lossless(base, smollm2_dir, caplog):
+    """Without weight_read_tokens in the config, the engine measures the device (roofline.py) and sizes the
+    drafts against it: the tokens are still plain decoding's."""
+    with caplog.at_level(logging.INFO, logger="hybridserve.engine"):
+        measured = _llm(smollm2_dir, speculative_config=NGRAM)
+    assert 0 < measured.core.scheduler.weight_read_tokens < float("inf")
+    assert any("a step's weight read costs" in r.getMessage() for r in caplog.records)
+    prompts = _prompts(base, [TEXT, "one two three four five six seven eight nine ten"])
+    assert _ids(_run(measured, prompts)) == _ids(_run(base, prompts))
+    assert _accepted(measured) > 0
 
 
 def test_logprobs_and_prompt_logprobs_match(base, spec):
@@ -406,7 +474,7 @@ def test_structured_output_beside_drafts(base, spec):
 @pytest.fixture(scope="module")
 def tight(smollm2_dir) -> LLM:
     """A step budget under one prompt's length and a KV cache too small for the batch."""
-    return _llm(smollm2_dir, speculative_config=NGRAM, max_num_batched_tokens=40, num_kv_blocks=12)
+    return _llm(smollm2_dir, speculative_config=DEEP, max_num_batched_tokens=40, num_kv_blocks=12)
 
 
 def test_chunked_prefill_then_drafts(base, tight):
@@ -434,7 +502,7 @@ def test_hybrid_models_roll_rejected_drafts_out_of_the_recurrent_state(checkpoin
     """KDA state went through the whole draft: after a rejection it is restored and the kept tokens rerun, so
     greedy tokens stay those of plain decoding (with prefix caching and its snapshots on)."""
     hf_dir = request.getfixturevalue(checkpoint)
-    base, spec = _llm(hf_dir), _llm(hf_dir, speculative_config=NGRAM)
+    base, spec = _llm(hf_dir), _llm(hf_dir, speculative_config=DEEP)
     prompts = _prompts(base, [TEXT, "abc abc abc abc abc", "1 2 3 1 2 3 1 2"])
     assert _ids(_run(spec, prompts)) == _ids(_run(base, prompts))
     stats = spec.core.stats()

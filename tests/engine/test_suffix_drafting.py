@@ -14,6 +14,8 @@ from hybridserve.sampling_params import InvalidParameter, SamplingParams
 from hybridserve.speculative import SpeculativeConfig, parse_speculative_config
 
 SUFFIX = SpeculativeConfig("suffix", 4)
+# The engine tests take drafts as deep as the trees offer; the scheduler's sizing is test_spec_decode's.
+DEEP = SpeculativeConfig("suffix", 4, weight_read_tokens=float("inf"))
 TEXT = "The quick brown fox jumps over the lazy dog while the farmer sleeps under the old oak tree."
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
@@ -171,13 +173,13 @@ def base(smollm2_dir) -> LLM:
 
 @pytest.fixture(scope="module")
 def suffix(smollm2_dir) -> LLM:
-    return _llm(smollm2_dir, speculative_config=SUFFIX)
+    return _llm(smollm2_dir, speculative_config=DEEP)
 
 
 @pytest.fixture(scope="module")
 def tight(smollm2_dir) -> LLM:
     """A step budget under one prompt's length and a KV cache too small for the batch."""
-    return _llm(smollm2_dir, speculative_config=SUFFIX, max_num_batched_tokens=40, num_kv_blocks=12)
+    return _llm(smollm2_dir, speculative_config=DEEP, max_num_batched_tokens=40, num_kv_blocks=12)
 
 
 def _prompts(llm: LLM, texts: list[str]) -> list[list[int]]:
@@ -253,7 +255,7 @@ def test_chunked_prefill_and_preemption(base, tight):
 
 
 def test_hybrid_model_rolls_rejected_drafts_back(kimi_linear_dir):
-    base, spec = _llm(kimi_linear_dir), _llm(kimi_linear_dir, speculative_config=SUFFIX)
+    base, spec = _llm(kimi_linear_dir), _llm(kimi_linear_dir, speculative_config=DEEP)
     prompts = _prompts(base, [TEXT, "abc abc abc abc abc", "1 2 3 1 2 3 1 2"])
     assert _ids(_run(spec, prompts)) == _ids(_run(base, prompts))
     drafted, accepted = _counts(spec)
