@@ -163,7 +163,11 @@ class ModelRunner:
     def weight_read_tokens(self) -> float:
         """What reading this model's weights once costs on this device, in tokens' compute: measured now
         (roofline.py, a fraction of a second), logged."""
-        limits = roofline.measure(self.device, self.dtype)
+        # A GPU's GEMM needs a larger square than a CPU's before launches stop mattering.
+        cuda = self.device.type == "cuda"
+        limits = roofline.measure(
+            self.device, self.dtype, read_mib=1024 if cuda else 256, gemm_n=4096 if cuda else 1024
+        )
         tokens = roofline.weight_read_tokens(self.costs, self.dtype.itemsize, limits)
         logger.info(
             "speculative decoding: a step's weight read costs %.1f tokens' compute (%.1f GB/s read, %.0f GFLOP/s "
