@@ -159,6 +159,7 @@ def server_command(name: str, args: argparse.Namespace) -> tuple[list[str], dict
     if name in ("hybridserve", "baseline"):
         if name == "baseline":  # the earlier tree's package shadows this checkout's editable install
             env["PYTHONPATH"] = str(args.baseline.resolve())
+            env["PYTHONSAFEPATH"] = "1"  # else `-m` puts the working directory, this checkout, first on the path
         exe = [str(REPO / ".venv" / "bin" / "python"), "-m", "hybridserve.serving.cli"]
         return [*exe, "serve", "--port", str(args.port), *shlex.split(args.hybridserve_args)], env
     server = vllm_command(args.peer_root, "vllm.entrypoints.openai.api_server", args.vllm_dtype)
@@ -259,10 +260,19 @@ def warn_if_busy(name: str) -> None:
         say(f"{name}: WARNING: the machine is {busy:.0f}% busy before start; results will be noisy")
 
 
+def imported_from(command: list[str], env: dict[str, str]) -> Path:
+    """Where `command`'s interpreter, in `env`, imports hybridserve from."""
+    probe = [command[0], "-c", "import hybridserve; print(hybridserve.__file__)"]
+    done = subprocess.run(probe, env=env, capture_output=True, text=True, check=True, timeout=120)
+    return Path(done.stdout.strip()).resolve().parents[1]
+
+
 @contextmanager
 def running_server(name: str, args: argparse.Namespace, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     if name == "vllm" and (why := vllm_missing(args.peer_root, args.bench_dir)) is not None:
         raise ServerFailed(why)
+    if name == "baseline" and (tree := imported_from(*server_command(name, args))) != args.baseline.resolve():
+        raise ServerFailed(f"baseline would import hybridserve from {tree}, not from --baseline {args.baseline}")
     warn_if_busy(name)
     command, env = server_command(name, args)
     with started(name, command, env, args, log) as proc:
