@@ -68,8 +68,9 @@ class EngineCore:
             events,
         )
         spec = config.speculative_config
-        measure = spec is not None and spec.weight_read_tokens is None
-        reads = self.runner.weight_read_tokens() if measure else math.inf
+        reads = math.inf if spec is None else spec.weight_read_tokens
+        if reads is None:
+            reads = self.runner.weight_read_tokens()
         self.scheduler = Scheduler(config, self.kv, self.runner.device.type, reads)
         self.connector: KVConnector | None = None
         if config.role != "both":

@@ -59,8 +59,8 @@ class Scheduler:
     def __init__(
         self, config: EngineConfig, kv: KVCacheManager, device_type: str, weight_read_tokens: float = math.inf
     ) -> None:
-        """`weight_read_tokens`: speculative decoding's cost of a step's weight read in tokens (roofline.py), the
-        engine's measurement, used unless the speculative config names one; unbounded, a request drafts all its
+        """`weight_read_tokens`: speculative decoding's cost of a step's weight read in tokens (roofline.py): the
+        config's, else the engine's measurement (EngineCore decides); unbounded, a request drafts all its
         proposer offers."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.token_budget(device_type)
@@ -84,8 +84,6 @@ class Scheduler:
         self.proposer: Proposer | None = None
         if spec is not None:
             self.proposer = SuffixProposer(spec) if spec.method == "suffix" else NgramProposer(spec)
-            if spec.weight_read_tokens is not None:
-                weight_read_tokens = spec.weight_read_tokens
         self.weight_read_tokens = weight_read_tokens
         self.num_drafts = 0  # steps in which a request verified a draft
         self.num_draft_tokens = 0  # draft tokens verified

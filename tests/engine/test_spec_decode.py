@@ -206,8 +206,8 @@ def test_scheduler_gives_grammar_requests_no_drafts():
 def _decoding_batch(size: int, reads: float, accepted: int, rejections: int) -> Scheduler:
     """`size` requests decoding side by side, each with drafts judged `accepted` + `rejections` times so far,
     under a step cost of `reads` tokens for the weight read."""
-    spec = SpeculativeConfig("ngram", 4, weight_read_tokens=reads)
-    sched = Scheduler(EngineConfig(block_size=4, speculative_config=spec), KVCacheManager(512, 4, True), "cpu")
+    config = EngineConfig(block_size=4, speculative_config=SpeculativeConfig("ngram", 4))
+    sched = Scheduler(config, KVCacheManager(512, 4, True), "cpu", reads)
     reqs = [Request(EngineCoreRequest(f"r{i}", list(REPEATING), GREEDY, [0], 0.0), 1024) for i in range(size)]
     for req in reqs:
         sched.add(req)
