@@ -387,13 +387,15 @@ def test_a_stopped_engine_writes_no_error_lines_and_the_batch_goes_on_after(
 def test_output_files_expire_and_the_sweep_deletes_them(app_client, tokenizer, tmp_path, caplog):
     caplog.set_level(logging.INFO, "hybridserve.serving.openai.files.service")
     now = [1_000_000.0]
-    client = app_client(
-        FakeEngine(tokenizer, [PARIS], max_model_len=64), clock=lambda: now[0], file_sweep_interval_s=0.02
-    )
+    engine = FakeEngine(tokenizer, [PARIS], max_model_len=64)
+    engine.pause_at_step = 0  # the batch cannot end before the clock has moved
+    client = app_client(engine, clock=lambda: now[0], file_sweep_interval_s=0.02)
     too_long = {"messages": [{"role": "user", "content": "word " * 80}]}
     policy = {"anchor": "created_at", "seconds": 3600}
     batch = create(client, jsonl([line("fine"), line("too-long", body=too_long)]), output_expires_after=policy)
+    wait(engine.paused.is_set, "the batch's request to reach the engine")
     now[0] += 600  # the files' clock starts when the batch ends, not when it was created
+    client.portal.call(engine.resume.set)
     done = wait_for(client, batch["id"], "completed")
     files = [client.get(f"/v1/files/{done[kind]}").json() for kind in ("output_file_id", "error_file_id")]
     assert [(f["created_at"], f["expires_at"]) for f in files] == [(1_000_600, 1_004_200)] * 2
