@@ -275,6 +275,34 @@ def test_silu_mul_matches_pytorch(dtype):
     torch.testing.assert_close(load_fused_ops().silu_mul(gate_up), F.silu(gate) * up, **_one_ulp(dtype))
 
 
+def _bf16_edge_cases(rows: int, dim: int, seed: int) -> torch.Tensor:
+    """Normal values over a wide range, with zeros, infinities, NaNs of both signs and denormals mixed in."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, dim, generator=gen) * torch.pow(10.0, torch.randint(-38, 30, (rows, dim), generator=gen))
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 3e-39, -1e-40])
+    spots = torch.rand(rows, dim, generator=gen) < 0.05
+    x[spots] = specials[torch.randint(0, len(specials), (int(spots.sum()),), generator=gen)]
+    return x.bfloat16()
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (3, 7), (9, 1536), (64, 100)])
+def test_bf16_fused_ops_are_bitwise_their_portable_c(rows, dim):
+    """The AVX512-BF16 loops round in one instruction where plain C takes a dozen integer steps; denormals (which
+    the instruction flushes) and NaNs (whose sign it keeps) take the integer steps too: every bit agrees."""
+    native, portable = load_fused_ops(), load_fused_ops(portable=True)
+    gate_up, x, delta = (_bf16_edge_cases(rows, w, seed) for seed, w in enumerate((2 * dim, dim, dim)))
+    x[0] = torch.tensor([1e-39, -2e-39] * dim)[:dim].bfloat16()  # a row whose norm makes denormals
+    weight = _bf16_edge_cases(1, dim, 3)[0]
+    bits = [ops.silu_mul(gate_up).view(torch.int16) for ops in (native, portable)]
+    assert torch.equal(*bits)
+    for d in (delta, None):
+        outs = []
+        for ops in (native, portable):
+            stream = x.clone()
+            outs.append((ops.add_rms_norm(stream, d, weight, 1e-5).view(torch.int16), stream.view(torch.int16)))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_equals_torch_argmax_ties_nans_and_strides_included(dtype):
     """The greedy pick: exactly torch.argmax, on logits wide enough for threads and on a strided slice (the

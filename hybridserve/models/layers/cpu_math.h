@@ -41,4 +41,48 @@ static inline float exp_approx(float x) {
     return p * scale.f;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* exp_approx on sixteen lanes, the same steps (GCC contracts the scalar one into these FMAs), so the same
+ * bits; NaN stays NaN. */
+static inline __m512 exp_approx16(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
+    const __m512 round = _mm512_set1_ps(12582912.0f);
+    const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), round), round);
+    const __m512 r =
+        _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-6f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), x));
+    static const float coefficients[] = {8.33333377e-3f, 4.16666679e-2f, 1.66666672e-1f, 0.5f, 1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(1.38888892e-3f);
+    for (int i = 0; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coefficients[i]));
+    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* Sixteen bfloat16 values (m: which) widened exactly to float32. */
+static inline __m512 load_bf16x16(const uint16_t* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* Sixteen float32 values rounded to bfloat16 exactly as float_to_bf16 rounds them: in one instruction
+ * (VCVTNEPS2BF16, nearest even), unless a lane is a denormal, which the instruction flushes to zero, or a NaN,
+ * whose sign and payload it keeps; a vector with either (rare) takes float_to_bf16's integer steps. */
+static inline __m256i to_bf16x16(__m512 x) {
+    if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0xa1 /* quiet NaN, denormal, signalling NaN */) != 0, 0)) {
+        const __m512i u = _mm512_castps_si512(x);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_fpclass_ps_mask(x, 0x81), _mm512_set1_epi32(0x7fc0));
+        return _mm512_cvtepi32_epi16(r);
+    }
+    return (__m256i)_mm512_cvtneps_pbh(x);
+}
+static inline __m512 round_bf16x16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(x)), 16));
+}
+static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1); }
+#endif
+
 #endif

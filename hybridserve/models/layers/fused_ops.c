@@ -11,8 +11,9 @@
 
 #include "cpu_math.h"
 
-/* Enough elements that waking the other threads pays off. */
-#define PARALLEL_MIN_ELEMENTS 65536
+/* Enough elements that waking the other threads pays off: silu_mul at 8 rows of 1536 takes 7 us on two threads,
+ * 11 on one. */
+#define PARALLEL_MIN_ELEMENTS 8192
 
 /* residual: [rows, dim], updated in place to residual + delta (rounded to the dtype) unless delta is NULL;
  * out: [rows, dim] = RMSNorm(residual) * weight, normalised in float32, rounded, then scaled and rounded. */
@@ -77,9 +78,56 @@
         }                                                                                                    \
     }
 
+#if defined(__AVX512BF16__) && !defined(PORTABLE)
+/* bfloat16 with AVX512-BF16: the same arithmetic sixteen lanes at a time, each rounding one instruction
+ * (to_bf16x16) instead of the dozen integer operations float_to_bf16 vectorises into, which made these loops
+ * count-bound: the same bits, faster. The sum of squares is the macro's loop, so it adds in the same order. */
+void add_rms_norm_bf16(uint16_t* residual, const uint16_t* delta, const uint16_t* weight, uint16_t* out,
+                       int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t* x = residual + r * dim;
+        if (delta != 0) {
+            const uint16_t* dx = delta + r * dim;
+            for (int64_t i = 0; i < dim; i += 16) {
+                const __mmask16 m = first_lanes(dim - i);
+                const __m512 sum = _mm512_add_ps(load_bf16x16(x + i, m), load_bf16x16(dx + i, m));
+                _mm256_mask_storeu_epi16(x + i, m, to_bf16x16(sum));
+            }
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; i++) sum += bf16_to_float(x[i]) * bf16_to_float(x[i]);
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(sum / (float)dim + eps));
+        uint16_t* y = out + r * dim;
+        for (int64_t i = 0; i < dim; i += 16) {
+            const __mmask16 m = first_lanes(dim - i);
+            const __m512 normed = round_bf16x16(_mm512_mul_ps(load_bf16x16(x + i, m), inv));
+            _mm256_mask_storeu_epi16(y + i, m, to_bf16x16(_mm512_mul_ps(normed, load_bf16x16(weight + i, m))));
+        }
+    }
+}
+
+void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t dim) {
+#pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t* gate = gate_up + r * 2 * dim;
+        const uint16_t* up = gate + dim;
+        uint16_t* y = out + r * dim;
+        for (int64_t i = 0; i < dim; i += 16) {
+            const __mmask16 m = first_lanes(dim - i);
+            const __m512 g = load_bf16x16(gate + i, m);
+            const __m512 e = exp_approx16(_mm512_xor_ps(g, _mm512_set1_ps(-0.0f)));
+            const __m512 silu = round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            _mm256_mask_storeu_epi16(y + i, m, to_bf16x16(_mm512_mul_ps(silu, load_bf16x16(up + i, m))));
+        }
+    }
+}
+#else
 DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_float, float_to_bf16, round_bf16)
-DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, identity, identity, identity)
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_float, float_to_bf16, round_bf16)
+#endif
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, identity, identity, identity)
 DEFINE_SILU_MUL(silu_mul_f32, float, identity, identity, identity)
 DEFINE_ARGMAX(argmax_bf16, uint16_t, bf16_to_float)
 DEFINE_ARGMAX(argmax_f32, float, identity)

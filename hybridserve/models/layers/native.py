@@ -516,9 +516,10 @@ def load_paged_attention(
     return PagedAttention(library, dtype, head_dim, block_size, group)
 
 
-def load_fused_ops() -> FusedOps:
-    """The fused element-wise ops, built on first use. Raises KernelUnavailable naming the reason."""
-    return FusedOps(_build("fused_ops", {}))
+def load_fused_ops(*, portable: bool = False) -> FusedOps:
+    """The fused element-wise ops, built on first use. `portable`: plain C only, without the AVX512-BF16 loops
+    (tests use it to check them bit for bit). Raises KernelUnavailable naming the reason."""
+    return FusedOps(_build("fused_ops", {"PORTABLE": 1} if portable else {}))
 
 
 def load_linear_kernels() -> LinearKernels:

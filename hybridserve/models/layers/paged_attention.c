@@ -177,20 +177,6 @@ static inline __m512 lane_sums16(const __m512* s) {
 #define PREFETCH_TILES 2
 #define CHUNKS (HEAD_DIM / 16) /* float32 vectors per head row */
 
-/* exp_approx (cpu_math.h) on sixteen lanes, the same steps; NaN stays NaN. */
-static inline __m512 exp_approx16(__m512 x) {
-    x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
-    const __m512 round = _mm512_set1_ps(12582912.0f);
-    const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), round), round);
-    const __m512 r =
-        _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-6f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), x));
-    static const float coefficients[] = {8.33333377e-3f, 4.16666679e-2f, 1.66666672e-1f, 0.5f, 1.0f, 1.0f};
-    __m512 p = _mm512_set1_ps(1.38888892e-3f);
-    for (int i = 0; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coefficients[i]));
-    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
-}
-
 static inline void prefetch_tile(const uint16_t* k, const uint16_t* v) {
     for (int o = 0; o < KEY_TILE * HEAD_DIM * 2; o += CACHE_LINE) {
         _mm_prefetch((const char*)k + o, _MM_HINT_T1);
