@@ -88,6 +88,26 @@ def test_rope_and_cache_write_match_the_pytorch_path(dtype):
     assert torch.equal(results[1][3].view(2, kv_heads, -1, 64)[1][:, slots].transpose(0, 1), qkv[:, q_heads + 3 :])
 
 
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_bf16_rope_and_cache_write_are_bitwise_their_portable_c(tokens):
+    """The AVX512-BF16 rotary leaves every bit of the queries, keys, values and cache as the plain C does, on
+    values over bf16's whole range, infinities, NaNs and denormals included."""
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = _bf16_edge_cases(tokens, 15 * 64, 7).view(tokens, 15, 64)
+    angles = torch.rand(tokens, 32, generator=gen) * 500
+    cos, sin = torch.cat([angles.cos()] * 2, 1).bfloat16(), torch.cat([-angles.sin(), angles.sin()], 1).bfloat16()
+    slots = torch.randperm(12 * 16, generator=gen)[:tokens]
+    results = []
+    for portable in (False, True):
+        cache = torch.zeros(2, 3, 12, 16, 64, dtype=torch.bfloat16)
+        rotated = qkv.clone()
+        load_paged_attention(torch.bfloat16, 64, 16, 3, portable=portable).rope_write_kv(
+            rotated, 9, (cos.unsqueeze(1), sin.unsqueeze(1)), cache, slots
+        )
+        results.append((rotated.view(torch.int16), cache.view(torch.int16)))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 @pytest.mark.parametrize(
     ("dtype", "portable"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
 )

@@ -308,7 +308,51 @@ int paged_decode_bf16_dot(void) {
     return 0;
 #endif
 }
+#if defined(__AVX512BF16__) && !defined(PORTABLE) && HEAD_DIM % 32 == 0
+/* bfloat16 with AVX512-BF16: DEFINE_ROPE_WRITE_KV's arithmetic on sixteen lanes, a head row in HEAD_DIM / 16
+ * vectors, its rolled half the vectors half a row on, each rounding one instruction (to_bf16x16): the same
+ * bits. With the cache rows prefetched, a batch-64 decode step's 30 layers of it went from 1.34 to 0.65 ms. */
+void rope_write_kv_bf16(uint16_t* qkv, int64_t tokens, int64_t token_stride, int64_t q_heads, int64_t kv_heads,
+                        const uint16_t* cos, const uint16_t* sin, uint16_t* cache, int64_t num_blocks,
+                        const int64_t* slots) {
+    enum { CH = HEAD_DIM / 16 };
+    const int64_t head_stride = num_blocks * BLOCK_SIZE * HEAD_DIM;
+#pragma omp parallel if (tokens >= 64)
+    {
+        /* The cache rows this thread will write (the same static split as the loop below), asked for first: each
+         * is a miss, often a TLB miss too, and one at a time they took most of this function's time. */
+#pragma omp for schedule(static) nowait
+        for (int64_t t = 0; t < tokens; t++)
+            for (int64_t h = 0; h < 2 * kv_heads; h++)
+                for (int o = 0; o < ROW_BYTES(uint16_t); o += CACHE_LINE)
+                    __builtin_prefetch((const char*)(cache + h * head_stride + slots[t] * HEAD_DIM) + o, 1, 3);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; t++) {
+            uint16_t* row = qkv + t * token_stride;
+            __m512 c[CH], s[CH];
+            for (int v = 0; v < CH; v++) {
+                c[v] = load_bf16x16(cos + t * HEAD_DIM + 16 * v, 0xffff);
+                s[v] = load_bf16x16(sin + t * HEAD_DIM + 16 * v, 0xffff);
+            }
+            for (int64_t head = 0; head < q_heads + kv_heads; head++) {
+                uint16_t* x = row + head * HEAD_DIM;
+                __m512 xf[CH];
+                for (int v = 0; v < CH; v++) xf[v] = load_bf16x16(x + 16 * v, 0xffff);
+                for (int v = 0; v < CH; v++) {
+                    const __m512 rolled = _mm512_mul_ps(xf[(v + CH / 2) % CH], s[v]);
+                    const __m512 y = _mm512_add_ps(round_bf16x16(_mm512_mul_ps(xf[v], c[v])), rolled);
+                    _mm256_storeu_si256((__m256i*)(x + 16 * v), to_bf16x16(y));
+                }
+            }
+            const int64_t slot = slots[t];
+            for (int64_t h = 0; h < 2 * kv_heads; h++) /* K heads, then V heads */
+                memcpy(cache + h * head_stride + slot * HEAD_DIM, row + (q_heads + h) * HEAD_DIM, ROW_BYTES(uint16_t));
+        }
+    }
+}
+#else
 DEFINE_ROPE_WRITE_KV(rope_write_kv_bf16, uint16_t, bf16_to_float, float_to_bf16, round_bf16)
+#endif
 DEFINE_ROPE_WRITE_KV(rope_write_kv_f32, float, identity, identity, identity)
 
 /* Prefill, bfloat16 with AVX512-BF16 and 16-token blocks: a chunk's n queries (positions pos0 .. pos0 + n - 1
