@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.report import median_s, say, write_csv
+from benchmarks.report import median_s, panel_plot, say, write_csv
 from hybridserve.models.layers.native import load_fused_ops, load_paged_attention
 
 HIDDEN, INTERMEDIATE, Q_HEADS, KV_HEADS, HEAD_DIM, LAYERS = 576, 1536, 9, 3, 64, 30
@@ -86,23 +86,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(rows: list[dict[str, object]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(PER_LAYER), figsize=(4.5 * len(PER_LAYER), 4), squeeze=False)
-    for ax, name in zip(axes[0], PER_LAYER, strict=True):
-        for side in SIDES:
-            points = [(r["rows"], r["us"]) for r in rows if r["kernel"] == name and r["side"] == side]
-            ax.plot(*zip(*points, strict=True), marker="o", label=side)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("rows (tokens in the step)")
-        ax.set_ylabel("µs a call (median)")
-        ax.set_title(name)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    panels = {
+        name: {side: [(r["rows"], r["us"]) for r in rows if (r["kernel"], r["side"]) == (name, side)] for side in SIDES}
+        for name in PER_LAYER
+    }
+    panel_plot(panels, "rows (tokens in the step)", "µs a call (median)", path, width=4.5)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.report import say, write_csv
+from benchmarks.report import panel_plot, say, write_csv
 from hybridserve.engine.fanout import expand
 from hybridserve.engine.llm import LLM
 from hybridserve.sampling_params import SamplingParams
@@ -85,23 +85,14 @@ def main() -> None:
 
 
 def plot(rows: list[dict[str, object]], contexts: list[int], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
-    for ax, context in zip(axes[0], contexts, strict=True):
-        for side in SIDES:
-            points = [(r["batch"], r["step_ms"]) for r in rows if r["side"] == side and r["context"] == context]
-            ax.plot(*zip(*points, strict=True), marker="o", label=side)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch (requests decoding)")
-        ax.set_ylabel("decode step, ms (median)")
-        ax.set_title(f"SmolLM2-135M, {context}-token prompts")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    panels = {
+        f"SmolLM2-135M, {context}-token prompts": {
+            side: [(r["batch"], r["step_ms"]) for r in rows if r["side"] == side and r["context"] == context]
+            for side in SIDES
+        }
+        for context in contexts
+    }
+    panel_plot(panels, "batch (requests decoding)", "decode step, ms (median)", path)
 
 
 if __name__ == "__main__":

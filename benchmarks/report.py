@@ -1,4 +1,4 @@
-"""What the in-process benchmarks share: progress lines on stderr and a CSV of their rows."""
+"""What the in-process benchmarks share: progress lines on stderr, a CSV of their rows and a plot of them."""
 
 from __future__ import annotations
 
@@ -33,3 +33,25 @@ def median_s(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def panel_plot(
+    panels: dict[str, dict[str, list[tuple[float, float]]]], xlabel: str, ylabel: str, path: Path, width: float = 5
+) -> None:
+    """Side-by-side panels (title -> line label -> points), x on a log-2 axis, written as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 4), squeeze=False)
+    for ax, (title, lines) in zip(axes[0], panels.items(), strict=True):
+        for label, points in lines.items():
+            ax.plot(*zip(*points, strict=True), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
