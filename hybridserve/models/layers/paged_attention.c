@@ -120,31 +120,42 @@
         }                                                                                                    \
     }
 
+/* One head row rotated in place (x, c, s: HEAD_DIM each), in plain C. */
+#define DEFINE_ROTATE_HEAD(NAME, T, LOAD, STORE, ROUND)                                                      \
+    static inline void NAME(T* x, const T* c, const T* s) {                                                  \
+        float xf[HEAD_DIM];                                                                                  \
+        for (int d = 0; d < HEAD_DIM; d++) xf[d] = LOAD(x[d]);                                               \
+        for (int d = 0; d < HEAD_DIM; d++)                                                                   \
+            x[d] = STORE(ROUND(xf[d] * LOAD(c[d])) + xf[(d + HEAD_DIM / 2) % HEAD_DIM] * LOAD(s[d]));        \
+    }
+
 /* qkv: [tokens, q_heads + 2 * kv_heads, HEAD_DIM] with `token_stride` elements between tokens, queries then
  * keys then values. Queries and keys are rotated in place (Hugging Face's rotate-half layout; cos and sin:
  * [tokens, HEAD_DIM], the sign of the first half folded into sin, as in rope.py) with PyTorch's roundings,
  * x * cos rounded, then + rolled x * sin rounded; then each token's keys and values are copied to its cache
- * slot (block * BLOCK_SIZE + offset). */
-#define DEFINE_ROPE_WRITE_KV(NAME, T, LOAD, STORE, ROUND)                                                    \
+ * slot (block * BLOCK_SIZE + offset). The cache rows a thread will write are asked for first (the same static
+ * split as the loop after): each is a miss, often a TLB miss too, and taken one at a time they were most of the
+ * function's time (a batch-64 decode step's 30 layers in bf16: 1.34 -> 0.65 ms with the vector rotation below). */
+#define DEFINE_ROPE_WRITE_KV(NAME, T, ROTATE_HEAD)                                                           \
     void NAME(T* qkv, int64_t tokens, int64_t token_stride, int64_t q_heads, int64_t kv_heads, const T* cos, \
               const T* sin, T* cache, int64_t num_blocks, const int64_t* slots) {                            \
         const int64_t head_stride = num_blocks * BLOCK_SIZE * HEAD_DIM;                                      \
-        _Pragma("omp parallel for if (tokens >= 64)") for (int64_t t = 0; t < tokens; t++) {                 \
-            T* row = qkv + t * token_stride;                                                                 \
-            const T* c = cos + t * HEAD_DIM;                                                                 \
-            const T* s = sin + t * HEAD_DIM;                                                                 \
-            for (int64_t head = 0; head < q_heads + kv_heads; head++) {                                      \
-                T* x = row + head * HEAD_DIM;                                                                \
-                float xf[HEAD_DIM];                                                                          \
-                for (int d = 0; d < HEAD_DIM; d++) xf[d] = LOAD(x[d]);                                       \
-                for (int d = 0; d < HEAD_DIM; d++)                                                           \
-                    x[d] = STORE(ROUND(xf[d] * LOAD(c[d])) +                                                 \
-                                 xf[(d + HEAD_DIM / 2) % HEAD_DIM] * LOAD(s[d]));                            \
+        _Pragma("omp parallel if (tokens >= 64)") {                                                          \
+            _Pragma("omp for schedule(static) nowait") for (int64_t t = 0; t < tokens; t++) {                \
+                for (int64_t h = 0; h < 2 * kv_heads; h++) {                                                 \
+                    const char* dst = (const char*)(cache + h * head_stride + slots[t] * HEAD_DIM);          \
+                    for (int o = 0; o < ROW_BYTES(T); o += CACHE_LINE) __builtin_prefetch(dst + o, 1, 3);    \
+                }                                                                                            \
             }                                                                                                \
-            const int64_t slot = slots[t];                                                                   \
-            for (int64_t h = 0; h < 2 * kv_heads; h++) /* K heads, then V heads */                           \
-                memcpy(cache + h * head_stride + slot * HEAD_DIM, row + (q_heads + h) * HEAD_DIM,            \
-                       HEAD_DIM * sizeof(T));                                                                \
+            _Pragma("omp for schedule(static)") for (int64_t t = 0; t < tokens; t++) {                       \
+                T* row = qkv + t * token_stride;                                                             \
+                for (int64_t head = 0; head < q_heads + kv_heads; head++)                                    \
+                    ROTATE_HEAD(row + head * HEAD_DIM, cos + t * HEAD_DIM, sin + t * HEAD_DIM);              \
+                const int64_t slot = slots[t];                                                               \
+                for (int64_t h = 0; h < 2 * kv_heads; h++) /* K heads, then V heads */                       \
+                    memcpy(cache + h * head_stride + slot * HEAD_DIM, row + (q_heads + h) * HEAD_DIM,        \
+                           ROW_BYTES(T));                                                                    \
+            }                                                                                                \
         }                                                                                                    \
     }
 
@@ -309,51 +320,24 @@ int paged_decode_bf16_dot(void) {
 #endif
 }
 #if defined(__AVX512BF16__) && !defined(PORTABLE) && HEAD_DIM % 32 == 0
-/* bfloat16 with AVX512-BF16: DEFINE_ROPE_WRITE_KV's arithmetic on sixteen lanes, a head row in HEAD_DIM / 16
- * vectors, its rolled half the vectors half a row on, each rounding one instruction (to_bf16x16): the same
- * bits. With the cache rows prefetched, a batch-64 decode step's 30 layers of it went from 1.34 to 0.65 ms. */
-void rope_write_kv_bf16(uint16_t* qkv, int64_t tokens, int64_t token_stride, int64_t q_heads, int64_t kv_heads,
-                        const uint16_t* cos, const uint16_t* sin, uint16_t* cache, int64_t num_blocks,
-                        const int64_t* slots) {
+/* bfloat16 with AVX512-BF16: DEFINE_ROTATE_HEAD's arithmetic on sixteen lanes, the row in HEAD_DIM / 16 vectors,
+ * its rolled half the vectors half a row on, each rounding one instruction (to_bf16x16): the same bits. */
+static inline void rotate_head_bf16(uint16_t* x, const uint16_t* c, const uint16_t* s) {
     enum { CH = HEAD_DIM / 16 };
-    const int64_t head_stride = num_blocks * BLOCK_SIZE * HEAD_DIM;
-#pragma omp parallel if (tokens >= 64)
-    {
-        /* The cache rows this thread will write (the same static split as the loop below), asked for first: each
-         * is a miss, often a TLB miss too, and one at a time they took most of this function's time. */
-#pragma omp for schedule(static) nowait
-        for (int64_t t = 0; t < tokens; t++)
-            for (int64_t h = 0; h < 2 * kv_heads; h++)
-                for (int o = 0; o < ROW_BYTES(uint16_t); o += CACHE_LINE)
-                    __builtin_prefetch((const char*)(cache + h * head_stride + slots[t] * HEAD_DIM) + o, 1, 3);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tokens; t++) {
-            uint16_t* row = qkv + t * token_stride;
-            __m512 c[CH], s[CH];
-            for (int v = 0; v < CH; v++) {
-                c[v] = load_bf16x16(cos + t * HEAD_DIM + 16 * v, 0xffff);
-                s[v] = load_bf16x16(sin + t * HEAD_DIM + 16 * v, 0xffff);
-            }
-            for (int64_t head = 0; head < q_heads + kv_heads; head++) {
-                uint16_t* x = row + head * HEAD_DIM;
-                __m512 xf[CH];
-                for (int v = 0; v < CH; v++) xf[v] = load_bf16x16(x + 16 * v, 0xffff);
-                for (int v = 0; v < CH; v++) {
-                    const __m512 rolled = _mm512_mul_ps(xf[(v + CH / 2) % CH], s[v]);
-                    const __m512 y = _mm512_add_ps(round_bf16x16(_mm512_mul_ps(xf[v], c[v])), rolled);
-                    _mm256_storeu_si256((__m256i*)(x + 16 * v), to_bf16x16(y));
-                }
-            }
-            const int64_t slot = slots[t];
-            for (int64_t h = 0; h < 2 * kv_heads; h++) /* K heads, then V heads */
-                memcpy(cache + h * head_stride + slot * HEAD_DIM, row + (q_heads + h) * HEAD_DIM, ROW_BYTES(uint16_t));
-        }
+    __m512 xf[CH];
+    for (int v = 0; v < CH; v++) xf[v] = load_bf16x16(x + 16 * v, 0xffff);
+    for (int v = 0; v < CH; v++) {
+        const __m512 rolled = _mm512_mul_ps(xf[(v + CH / 2) % CH], load_bf16x16(s + 16 * v, 0xffff));
+        const __m512 y = _mm512_add_ps(round_bf16x16(_mm512_mul_ps(xf[v], load_bf16x16(c + 16 * v, 0xffff))), rolled);
+        _mm256_storeu_si256((__m256i*)(x + 16 * v), to_bf16x16(y));
     }
 }
 #else
-DEFINE_ROPE_WRITE_KV(rope_write_kv_bf16, uint16_t, bf16_to_float, float_to_bf16, round_bf16)
+DEFINE_ROTATE_HEAD(rotate_head_bf16, uint16_t, bf16_to_float, float_to_bf16, round_bf16)
 #endif
-DEFINE_ROPE_WRITE_KV(rope_write_kv_f32, float, identity, identity, identity)
+DEFINE_ROTATE_HEAD(rotate_head_f32, float, identity, identity, identity)
+DEFINE_ROPE_WRITE_KV(rope_write_kv_bf16, uint16_t, rotate_head_bf16)
+DEFINE_ROPE_WRITE_KV(rope_write_kv_f32, float, rotate_head_f32)
 
 /* Prefill, bfloat16 with AVX512-BF16 and 16-token blocks: a chunk's n queries (positions pos0 .. pos0 + n - 1
  * of one request, `table` its block table) against the request's cached keys up to each query's own position
