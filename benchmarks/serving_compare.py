@@ -271,10 +271,10 @@ def imported_from(command: list[str], env: dict[str, str]) -> Path:
 def running_server(name: str, args: argparse.Namespace, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     if name == "vllm" and (why := vllm_missing(args.peer_root, args.bench_dir)) is not None:
         raise ServerFailed(why)
-    if name == "baseline" and (tree := imported_from(*server_command(name, args))) != args.baseline.resolve():
+    command, env = server_command(name, args)
+    if name == "baseline" and (tree := imported_from(command, env)) != args.baseline.resolve():
         raise ServerFailed(f"baseline would import hybridserve from {tree}, not from --baseline {args.baseline}")
     warn_if_busy(name)
-    command, env = server_command(name, args)
     with started(name, command, env, args, log) as proc:
         yield proc
 

@@ -88,6 +88,16 @@ def test_rope_and_cache_write_match_the_pytorch_path(dtype):
     assert torch.equal(results[1][3].view(2, kv_heads, -1, 64)[1][:, slots].transpose(0, 1), qkv[:, q_heads + 3 :])
 
 
+def _bf16_edge_cases(rows: int, dim: int, seed: int) -> torch.Tensor:
+    """Normal values over a wide range, with zeros, infinities, NaNs of both signs and denormals mixed in."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, dim, generator=gen) * torch.pow(10.0, torch.randint(-38, 30, (rows, dim), generator=gen))
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 3e-39, -1e-40])
+    spots = torch.rand(rows, dim, generator=gen) < 0.05
+    x[spots] = specials[torch.randint(0, len(specials), (int(spots.sum()),), generator=gen)]
+    return x.bfloat16()
+
+
 @pytest.mark.parametrize("tokens", [1, 70])
 def test_bf16_rope_and_cache_write_are_bitwise_their_portable_c(tokens):
     """The AVX512-BF16 rotary leaves every bit of the queries, keys, values and cache as the plain C does, on
@@ -293,16 +303,6 @@ def test_silu_mul_matches_pytorch(dtype):
     gate_up = (torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(load_fused_ops().silu_mul(gate_up), F.silu(gate) * up, **_one_ulp(dtype))
-
-
-def _bf16_edge_cases(rows: int, dim: int, seed: int) -> torch.Tensor:
-    """Normal values over a wide range, with zeros, infinities, NaNs of both signs and denormals mixed in."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, dim, generator=gen) * torch.pow(10.0, torch.randint(-38, 30, (rows, dim), generator=gen))
-    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 3e-39, -1e-40])
-    spots = torch.rand(rows, dim, generator=gen) < 0.05
-    x[spots] = specials[torch.randint(0, len(specials), (int(spots.sum()),), generator=gen)]
-    return x.bfloat16()
 
 
 @pytest.mark.parametrize(("rows", "dim"), [(1, 576), (3, 7), (9, 1536), (64, 100)])
