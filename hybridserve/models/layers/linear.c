@@ -261,7 +261,7 @@ static void amx_configure(void) {
 }
 
 static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, const uint16_t* packed,
-                            int64_t n, const float* bias, void* y, int f32) {
+                            int64_t n, const float* bias, void* y, int mode) {
     const int64_t panels = (n + NRB - 1) / NRB, panel_size = k / 2 * NRB * 2;
     const int64_t full = m / 16, blocks = (m + 15) / 16;
     uint16_t* padded = 0;
@@ -274,12 +274,13 @@ static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int6
     {
         float c[4][16 * 16] __attribute__((aligned(64)));
         amx_configure();
-        /* One task a (pair of row blocks, panel), pair-major: at up to 32 rows the threads split the panels,
-         * each weight read once; past that each thread takes whole pairs of blocks across all panels (the
-         * weights then come from the shared cache), instead of sweeping every pair over its panels. */
+        /* One task a (panel, pair of row blocks), panel-major: the threads split the panels, so each weight
+         * comes from memory once, and a panel's later pairs find it in L1/L2 (a panel is 32 k-pairs of 64
+         * bytes: 36 KiB at k 576). Pair-major, each thread swept every weight once per pair it took. */
+        const int64_t pairs = (blocks + 1) / 2;
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < (blocks + 1) / 2 * panels; task++) {
-            const int64_t p = task % panels, blk = task / panels * 2;
+        for (int64_t task = 0; task < pairs * panels; task++) {
+            const int64_t p = task / pairs, blk = task % pairs * 2;
             const uint16_t* w = packed + p * panel_size;
             const int64_t col = p * NRB, ncols = n - col < NRB ? n - col : NRB;
             const float* b = bias == 0 ? 0 : bias + col;
@@ -294,9 +295,11 @@ static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int6
                 _tile_zero(3);
             }
             for (int64_t kk = 0; kk < k; kk += AMX_K) {
-                /* the weights two tiles on (past the panel's end: the next panel's) */
-                for (int line = 0; line < AMX_K * NRB * 2 / 64; line++)
-                    _mm_prefetch((const char*)(w + (kk + AMX_PREFETCH) * NRB) + line * 64, _MM_HINT_T0);
+                /* the first pair: the weights two tiles on (past the panel's end: the next panel's); the later
+                 * pairs find the panel in the cache */
+                if (blk == 0)
+                    for (int line = 0; line < AMX_K * NRB * 2 / 64; line++)
+                        _mm_prefetch((const char*)(w + (kk + AMX_PREFETCH) * NRB) + line * 64, _MM_HINT_T0);
                 _tile_loadd(6, w + kk * NRB, NRB * 4);
                 _tile_loadd(7, w + kk * NRB + 32, NRB * 4);
                 _tile_loadd(4, x0 + kk, s0);
@@ -311,14 +314,15 @@ static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int6
             _tile_stored(0, c[0], 64);
             _tile_stored(1, c[1], 64);
             const int64_t r0 = blk * 16, rows0 = m - r0 < 16 ? m - r0 : 16;
-            store_rows(c[0], c[1], (int)rows0, b, y, r0 * n + col, n, ncols, f32);
+            store_rows(c[0], c[1], (int)rows0, b, y, r0 * n + col, n, ncols, mode);
             if (two) {
                 _tile_stored(2, c[2], 64);
                 _tile_stored(3, c[3], 64);
                 const int64_t r1 = r0 + 16, rows1 = m - r1 < 16 ? m - r1 : 16;
-                store_rows(c[2], c[3], (int)rows1, b, y, r1 * n + col, n, ncols, f32);
+                store_rows(c[2], c[3], (int)rows1, b, y, r1 * n + col, n, ncols, mode);
             }
         }
+        if (mode == STREAM) _mm_sfence();
         _tile_release();
     }
     free(padded);
@@ -330,14 +334,14 @@ static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int6
  * enabled it and k is a whole number of its tiles, else the AVX512-BF16 register tile. */
 void linear_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, const uint16_t* packed, int64_t n,
                  const float* bias, void* y, int64_t f32) {
+    const int mode = f32 && m * n >= STREAM_MIN && n % 16 == 0 && (uintptr_t)y % 64 == 0 ? STREAM : (int)f32;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (amx_enabled && k % AMX_K == 0) {
-        linear_bf16_amx(x, x_stride, m, k, packed, n, bias, y, (int)f32);
+        linear_bf16_amx(x, x_stride, m, k, packed, n, bias, y, mode);
         return;
     }
 #endif
     const int64_t panels = (n + NRB - 1) / NRB, panel_size = (k + 1) / 2 * NRB * 2;
-    const int mode = f32 && m * n >= STREAM_MIN && n % 16 == 0 && (uintptr_t)y % 64 == 0 ? STREAM : (int)f32;
     /* Row chunks of at most MC, as even as they go, and each chunk's row tiles too: 64 rows are six tiles of
      * 10-11, not five of 12 and one of 4 (which reads the panel for a third of the work). */
     const int64_t chunks = (m + MC - 1) / MC;
