@@ -178,14 +178,17 @@ static inline __m512 lane_sums16(const __m512* s) {
 
 /* Decode, bfloat16 with AVX512-BF16: the work items of DEFINE_PAGED_DECODE, their keys taken 16 at a time (a
  * tile; a block is one or more). A query head's scores against a tile: two dot-product instructions per key
- * (exact products, float32 sums), the sixteen keys' sums then reduced together (lane_sums16), and the online
- * softmax on that vector, in float32. The values: the weights rounded to bf16 in pairs of keys, as PyTorch's CPU
+ * (exact products, float32 sums), the sixteen keys' sums then reduced together (lane_sums16). The online
+ * softmax, in float32, takes CHUNK_TILES tiles a step: their scores are all computed first, so no tile waits on
+ * the one before's max and exponentials (5-8% faster than a step a tile, batch 1-64, context 64-2000, on a Xeon
+ * with AVX512-BF16). The values: the weights rounded to bf16 in pairs of keys, as PyTorch's CPU
  * flash attention and the prefill kernel below round them, against those two keys' values interleaved, one
  * dot-product instruction per pair and 16 dimensions, float32 sums in registers. The tiles PREFETCH_TILES ahead
  * are asked into L2: blocks are scattered, so the hardware cannot guess, and asked into L1 they crowded out the
  * tile at work (64 requests of 128 tokens from a cache larger than L3: 480 against 340 us a layer). */
 #define KEY_TILE 16
 #define PREFETCH_TILES 2
+#define CHUNK_TILES 8
 #define CHUNKS (HEAD_DIM / 16) /* float32 vectors per head row */
 
 static inline void prefetch_tile(const uint16_t* k, const uint16_t* v) {
@@ -224,40 +227,57 @@ void paged_decode_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* cach
 #define TILE_OFFSET(i) (table[(i) * KEY_TILE / BLOCK_SIZE] * BLOCK_SIZE + (i) * KEY_TILE % BLOCK_SIZE) * HEAD_DIM
         for (int64_t i = 0; i < PREFETCH_TILES && i < tiles; i++)
             prefetch_tile(keys + TILE_OFFSET(i), values + TILE_OFFSET(i));
-        for (int64_t i = 0; i < tiles; i++) {
-            if (i + PREFETCH_TILES < tiles)
-                prefetch_tile(keys + TILE_OFFSET(i + PREFETCH_TILES), values + TILE_OFFSET(i + PREFETCH_TILES));
-            const int64_t offset = TILE_OFFSET(i);
-            const uint16_t* kt = keys + offset;
-            const uint16_t* vt = values + offset;
-            const int n = len - i * KEY_TILE < KEY_TILE ? (int)(len - i * KEY_TILE) : KEY_TILE;
-            const __mmask16 valid = (__mmask16)((1u << n) - 1);
-            __m512 scores[GROUP];
-            float shift[KEY_TILE] __attribute__((aligned(64))) = {0}, tile_max[GROUP];
-            for (int g = 0; g < GROUP; g++) {
-                __m512 s[KEY_TILE];
-                for (int j = 0; j < KEY_TILE; j++) { /* lane t of the sums: key t (a key past n is never used) */
-                    const uint16_t* krow = kt + ((j % 4) * 4 + j / 4) * HEAD_DIM;
-                    s[j] = _mm512_setzero_ps();
-                    for (int c = 0; c < HEAD_DIM / 32; c++)
-                        s[j] = _mm512_dpbf16_ps(s[j], qb[g][c], (__m512bh)_mm512_loadu_si512((const void*)(krow + 32 * c)));
+        for (int64_t first = 0; first < tiles; first += CHUNK_TILES) {
+            const int count = tiles - first < CHUNK_TILES ? (int)(tiles - first) : CHUNK_TILES;
+            __m512 scores[GROUP][CHUNK_TILES], chunk_max[GROUP];
+            for (int g = 0; g < GROUP; g++) chunk_max[g] = _mm512_set1_ps(-INFINITY);
+            /* The chunk's scores: no tile waits on another's softmax. */
+            for (int i = 0; i < count; i++) {
+                const int64_t tile = first + i;
+                if (tile + PREFETCH_TILES < tiles)
+                    prefetch_tile(keys + TILE_OFFSET(tile + PREFETCH_TILES), values + TILE_OFFSET(tile + PREFETCH_TILES));
+                const uint16_t* kt = keys + TILE_OFFSET(tile);
+                const int n = len - tile * KEY_TILE < KEY_TILE ? (int)(len - tile * KEY_TILE) : KEY_TILE;
+                const __mmask16 valid = (__mmask16)((1u << n) - 1);
+                for (int g = 0; g < GROUP; g++) {
+                    __m512 sums[KEY_TILE];
+                    for (int j = 0; j < KEY_TILE; j++) { /* lane t of the sums: key t (a key past n is never used) */
+                        const uint16_t* krow = kt + ((j % 4) * 4 + j / 4) * HEAD_DIM;
+                        sums[j] = _mm512_setzero_ps();
+                        for (int c = 0; c < HEAD_DIM / 32; c++)
+                            sums[j] = _mm512_dpbf16_ps(sums[j], qb[g][c],
+                                                       (__m512bh)_mm512_loadu_si512((const void*)(krow + 32 * c)));
+                    }
+                    scores[g][i] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, lane_sums16(sums),
+                                                      _mm512_set1_ps(scale));
+                    chunk_max[g] = _mm512_max_ps(chunk_max[g], scores[g][i]);
                 }
-                scores[g] = _mm512_mul_ps(lane_sums16(s), _mm512_set1_ps(scale));
-                const float seen = _mm512_mask_reduce_max_ps(valid, scores[g]);
-                tile_max[g] = seen > run_max[g] ? seen : run_max[g];
-                shift[g] = run_max[g] - tile_max[g];
+            }
+            /* One softmax step for the chunk: its max, the rescale of what came before, its weights. */
+            float shift[KEY_TILE] __attribute__((aligned(64))) = {0}, new_max[GROUP];
+            for (int g = 0; g < GROUP; g++) {
+                const float seen = _mm512_reduce_max_ps(chunk_max[g]);
+                new_max[g] = seen > run_max[g] ? seen : run_max[g];
+                shift[g] = run_max[g] - new_max[g];
             }
             float rescale[KEY_TILE] __attribute__((aligned(64))); /* every head's at once */
             _mm512_store_ps(rescale, exp_approx16(_mm512_load_ps(shift)));
-            uint32_t pairs[GROUP][KEY_TILE / 2] __attribute__((aligned(32)));
+            uint32_t pairs[GROUP][CHUNK_TILES][KEY_TILE / 2] __attribute__((aligned(32)));
             for (int g = 0; g < GROUP; g++) {
-                const __m512 probs =
-                    _mm512_maskz_mov_ps(valid, exp_approx16(_mm512_sub_ps(scores[g], _mm512_set1_ps(tile_max[g]))));
-                run_max[g] = tile_max[g];
-                run_sum[g] = run_sum[g] * rescale[g] + _mm512_reduce_add_ps(probs);
-                /* The weights rounded to bf16 in pairs of keys, as PyTorch's CPU flash attention rounds them for
-                 * its value matmul (a key past n weighs zero). */
-                _mm256_store_si256((__m256i*)pairs[g], (__m256i)_mm512_cvtneps_pbh(probs));
+                const __m512 top = _mm512_set1_ps(new_max[g]);
+                __m512 total = _mm512_setzero_ps();
+                for (int i = 0; i < count; i++) {
+                    const int64_t tile = first + i;
+                    const int n = len - tile * KEY_TILE < KEY_TILE ? (int)(len - tile * KEY_TILE) : KEY_TILE;
+                    const __m512 probs = _mm512_maskz_mov_ps((__mmask16)((1u << n) - 1),
+                                                             exp_approx16(_mm512_sub_ps(scores[g][i], top)));
+                    total = _mm512_add_ps(total, probs);
+                    /* The weights rounded to bf16 in pairs of keys, as PyTorch's CPU flash attention rounds them
+                     * for its value matmul (a key past n weighs zero). */
+                    _mm256_store_si256((__m256i*)pairs[g][i], (__m256i)_mm512_cvtneps_pbh(probs));
+                }
+                run_max[g] = new_max[g];
+                run_sum[g] = run_sum[g] * rescale[g] + _mm512_reduce_add_ps(total);
                 const __m512 rs = _mm512_set1_ps(rescale[g]);
 #pragma GCC unroll 8
                 for (int c = 0; c < CHUNKS; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], rs);
@@ -265,21 +285,26 @@ void paged_decode_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* cach
             /* The values of each pair of keys interleaved, against the pair's two weights: a dot-product
              * instruction adds both products (the dimensions come out of order; see in_order_lo). A key past n
              * counts as zeros. */
-            for (int tp = 0; tp < (n + 1) / 2; tp++) {
-                const uint16_t* r0 = vt + 2 * tp * HEAD_DIM;
-                const __mmask32 second = 2 * tp + 1 < n ? 0xffffffffu : 0;
-                __m512i v[CHUNKS];
-                for (int c = 0; c < HEAD_DIM / 32; c++) {
-                    const __m512i a = _mm512_loadu_si512((const void*)(r0 + 32 * c));
-                    const __m512i b = _mm512_maskz_loadu_epi16(second, r0 + HEAD_DIM + 32 * c);
-                    v[2 * c] = _mm512_unpacklo_epi16(a, b);
-                    v[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-                }
+            for (int i = 0; i < count; i++) {
+                const int64_t tile = first + i;
+                const uint16_t* vt = values + TILE_OFFSET(tile);
+                const int n = len - tile * KEY_TILE < KEY_TILE ? (int)(len - tile * KEY_TILE) : KEY_TILE;
+                for (int tp = 0; tp < (n + 1) / 2; tp++) {
+                    const uint16_t* r0 = vt + 2 * tp * HEAD_DIM;
+                    const __mmask32 second = 2 * tp + 1 < n ? 0xffffffffu : 0;
+                    __m512i v[CHUNKS];
+                    for (int c = 0; c < HEAD_DIM / 32; c++) {
+                        const __m512i a = _mm512_loadu_si512((const void*)(r0 + 32 * c));
+                        const __m512i b = _mm512_maskz_loadu_epi16(second, r0 + HEAD_DIM + 32 * c);
+                        v[2 * c] = _mm512_unpacklo_epi16(a, b);
+                        v[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+                    }
 #pragma GCC unroll 8
-                for (int g = 0; g < GROUP; g++) {
-                    const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[g][tp]);
+                    for (int g = 0; g < GROUP; g++) {
+                        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[g][i][tp]);
 #pragma GCC unroll 8
-                    for (int c = 0; c < CHUNKS; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], w, (__m512bh)v[c]);
+                        for (int c = 0; c < CHUNKS; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], w, (__m512bh)v[c]);
+                    }
                 }
             }
         }
