@@ -140,7 +140,7 @@
     void NAME(T* qkv, int64_t tokens, int64_t token_stride, int64_t q_heads, int64_t kv_heads, const T* cos, \
               const T* sin, T* cache, int64_t num_blocks, const int64_t* slots) {                            \
         const int64_t head_stride = num_blocks * BLOCK_SIZE * HEAD_DIM;                                      \
-        _Pragma("omp parallel if (tokens >= 64)") {                                                          \
+        _Pragma("omp parallel if (tokens >= 32)") {                                                          \
             _Pragma("omp for schedule(static) nowait") for (int64_t t = 0; t < tokens; t++) {                \
                 for (int64_t h = 0; h < 2 * kv_heads; h++) {                                                 \
                     const char* dst = (const char*)(cache + h * head_stride + slots[t] * HEAD_DIM);          \
