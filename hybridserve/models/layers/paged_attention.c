@@ -398,13 +398,11 @@ static void unpack_block(const uint16_t* kb, const uint16_t* vb, int nk, unpacke
     }
 }
 
-/* The item's query vectors v0 .. v0 + nt - 1 (nt <= SCORE_TILE) against one unpacked block. */
-static inline void attend_block(const uint16_t* const* qv, int v0, int nt, const unpacked_block* u, int64_t start,
-                                int nk, int64_t first_pos, float scale, float (*acc)[HEAD_DIM], float* run_max,
-                                float* run_sum) {
+/* The raw scores s[r] (lane t: key t) of the item's query vectors v0 .. v0 + nt - 1 (nt <= SCORE_TILE) against
+ * one unpacked block. */
+static inline void score_block(const uint16_t* const* qv, int v0, int nt, const unpacked_block* u, __m512* s) {
     const uint16_t* tile[SCORE_TILE]; /* past nt: the tile's last vector again */
     for (int r = 0; r < SCORE_TILE; r++) tile[r] = qv[v0 + (r < nt ? r : nt - 1)];
-    __m512 s[SCORE_TILE];
     for (int r = 0; r < SCORE_TILE; r++) s[r] = _mm512_setzero_ps();
     for (int i = 0; i < HEAD_DIM / 2; i++) {
         const __m512bh k = (__m512bh)_mm512_load_si512((const void*)u->keys[i]);
@@ -414,6 +412,13 @@ static inline void attend_block(const uint16_t* const* qv, int v0, int nt, const
             s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32((int)two), k);
         }
     }
+}
+
+/* The online softmax and value sums of the item's query vectors v0 .. v0 + nt - 1 over one unpacked block, from
+ * their raw scores s. */
+static inline void attend_block(__m512* s, int v0, int nt, const unpacked_block* u, int64_t start, int nk,
+                                int64_t first_pos, float scale, float (*acc)[HEAD_DIM], float* run_max,
+                                float* run_sum) {
     /* Every vector's new maximum first, so that their rescales come from one vector exp. */
     float shift[16] __attribute__((aligned(64))) = {0}, block_max[SCORE_TILE];
     int visible[SCORE_TILE];
@@ -453,6 +458,95 @@ static inline void attend_block(const uint16_t* const* qv, int v0, int nt, const
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+/* With AMX, a block's scores for all the item's query vectors come from tile multiplies: for each query head of
+ * the group, its PREFILL_ROWS tokens (tile 1, 32 dimensions a tile) against the block's keys as unpacked (tile
+ * 2: pairs of dimensions x 16 keys, the tile layout itself), 16 x 16 float32 sums (tile 0) stored as the rows
+ * of those tokens' vectors. A score does not depend on the other rows of its tile. */
+#define PREFILL_AMX 1
+static int prefill_amx = -1; /* unknown yet; then whether Linux lets the process use AMX's tiles */
+
+static void prefill_amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed)) cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 3; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    cfg.colsb[3] = BLOCK_SIZE * 2, cfg.rows[3] = 16;     /* a head's weights: tokens x keys, bf16 */
+    cfg.colsb[4] = 64, cfg.rows[4] = BLOCK_SIZE / 2;     /* values: pairs of keys x 16 dimensions */
+    cfg.colsb[5] = 64, cfg.rows[5] = 16;                 /* their sums: tokens x 16 dimensions */
+    _tile_loadconfig(&cfg);
+}
+
+/* queries: [GROUP][PREFILL_ROWS][HEAD_DIM], the item's (rows past it zero); raw: [VECTORS][16]. */
+static inline void amx_score_block(const uint16_t* queries, const unpacked_block* u, float* raw) {
+    for (int g = 0; g < GROUP; g++) {
+        _tile_zero(0);
+        for (int c = 0; c < HEAD_DIM / 32; c++) {
+            _tile_loadd(1, queries + (g * PREFILL_ROWS) * HEAD_DIM + 32 * c, HEAD_DIM * 2);
+            _tile_loadd(2, u->keys[16 * c], BLOCK_SIZE * 4);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, raw + g * 16, GROUP * 16 * 4); /* token t's row: vector t * GROUP + g */
+    }
+}
+
+/* attend_block for all nv of the item's vectors with AMX: the softmax as there, each weight rounded to bf16 as
+ * there, then a head's value sums over the block in tile multiplies (weights[g]: its tokens x the block's keys;
+ * rows of a token that sees none of the block, or past the item, zero), added to the rescaled sums. */
+static inline void amx_attend_block(const float (*raw)[16], int nv, const unpacked_block* u, int64_t start, int nk,
+                                    int64_t first_pos, float scale, float (*acc)[HEAD_DIM], float* run_max,
+                                    float* run_sum, uint16_t (*weights)[PREFILL_ROWS][BLOCK_SIZE]) {
+    float shift[VECTORS + 15] __attribute__((aligned(64))) = {0}, block_max[VECTORS], rescales[VECTORS + 15];
+    int visible[VECTORS];
+    __m512 s[VECTORS];
+    for (int v = 0; v < nv; v++) {
+        const int64_t seen = first_pos + v / GROUP + 1 - start; /* this query sees the block's keys t < seen */
+        visible[v] = seen <= 0 ? 0 : seen < nk ? (int)seen : nk;  /* none: the block is past it */
+        if (visible[v] == 0) continue;
+        s[v] = _mm512_mul_ps(_mm512_load_ps(raw[v]), _mm512_set1_ps(scale));
+        const float seen_max = _mm512_mask_reduce_max_ps((__mmask16)((1u << visible[v]) - 1), s[v]);
+        block_max[v] = seen_max > run_max[v] ? seen_max : run_max[v];
+        shift[v] = run_max[v] - block_max[v];
+    }
+    for (int v = 0; v < nv; v += 16) _mm512_storeu_ps(rescales + v, exp_approx16(_mm512_loadu_ps(shift + v)));
+    for (int v = 0; v < nv; v++) {
+        uint16_t* w = weights[v % GROUP][v / GROUP];
+        if (visible[v] == 0) {
+            memset(w, 0, BLOCK_SIZE * 2);
+            continue;
+        }
+        const __mmask16 mask = (__mmask16)((1u << visible[v]) - 1);
+        const __m512 probs = _mm512_maskz_mov_ps(mask, exp_approx16(_mm512_sub_ps(s[v], _mm512_set1_ps(block_max[v]))));
+        run_max[v] = block_max[v];
+        run_sum[v] = run_sum[v] * rescales[v] + _mm512_reduce_add_ps(probs);
+        _mm256_storeu_si256((__m256i*)w, (__m256i)_mm512_cvtneps_pbh(probs));
+        const __m512 rs = _mm512_set1_ps(rescales[v]);
+        for (int c = 0; c < HEAD_DIM / 16; c++) _mm512_store_ps(acc[v] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[v] + 16 * c), rs));
+    }
+    float sums[PREFILL_ROWS][HEAD_DIM] __attribute__((aligned(64)));
+    for (int g = 0; g < GROUP; g++) {
+        _tile_loadd(3, weights[g], BLOCK_SIZE * 2);
+        for (int c = 0; c < HEAD_DIM / 16; c++) {
+            _tile_zero(5);
+            _tile_loadd(4, u->values[0][16 * c], HEAD_DIM * 4);
+            _tile_dpbf16ps(5, 3, 4);
+            _tile_stored(5, sums[0] + 16 * c, HEAD_DIM * 4);
+        }
+        for (int v = g; v < nv; v += GROUP) {
+            if (visible[v] == 0) continue;
+            for (int c = 0; c < HEAD_DIM / 16; c++)
+                _mm512_store_ps(acc[v] + 16 * c,
+                                _mm512_add_ps(_mm512_load_ps(acc[v] + 16 * c), _mm512_load_ps(sums[v / GROUP] + 16 * c)));
+        }
+    }
+}
+#endif
+
 int paged_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* cache, int64_t num_blocks,
                        const int64_t* table, int64_t pos0, int64_t n, uint16_t* out, int64_t q_heads,
                        int64_t kv_heads, float scale) {
@@ -460,8 +554,15 @@ int paged_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* cach
     const int64_t context = pos0 + n, blocks = (context + BLOCK_SIZE - 1) / BLOCK_SIZE;
     unpacked_block* unpacked = aligned_alloc(64, (size_t)(blocks * kv_heads) * sizeof(unpacked_block));
     if (unpacked == 0) return -1;
+#ifdef PREFILL_AMX
+    if (prefill_amx < 0) prefill_amx = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+    const int amx = prefill_amx;
+#endif
 #pragma omp parallel
     {
+#ifdef PREFILL_AMX
+        if (amx) prefill_amx_configure();
+#endif
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < blocks * kv_heads; i++) {
             const int64_t h = i / blocks, j = i % blocks, start = j * BLOCK_SIZE;
@@ -485,11 +586,36 @@ int paged_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* cach
                 run_sum[v] = 0.0f;
                 for (int d = 0; d < HEAD_DIM; d++) acc[v][d] = 0.0f;
             }
+#ifdef PREFILL_AMX
+            uint16_t queries[GROUP][PREFILL_ROWS][HEAD_DIM] __attribute__((aligned(64)));
+            float raw[VECTORS][16] __attribute__((aligned(64)));
+            uint16_t weights[GROUP][PREFILL_ROWS][BLOCK_SIZE] __attribute__((aligned(64)));
+            if (amx) memset(weights, 0, sizeof weights); /* the rows past the item's stay zero */
+            if (amx)
+                for (int g = 0; g < GROUP; g++)
+                    for (int r = 0; r < PREFILL_ROWS; r++) {
+                        if (r < rows)
+                            memcpy(queries[g][r], qv[r * GROUP + g], HEAD_DIM * 2);
+                        else
+                            memset(queries[g][r], 0, HEAD_DIM * 2);
+                    }
+#endif
             for (int64_t start = 0, j = 0; start <= last; start += BLOCK_SIZE, j++) {
                 const int nk = last + 1 - start < BLOCK_SIZE ? (int)(last + 1 - start) : BLOCK_SIZE;
-                for (int v0 = 0; v0 < nv; v0 += SCORE_TILE)
-                    attend_block(qv, v0, nv - v0 < SCORE_TILE ? nv - v0 : SCORE_TILE, unpacked + h * blocks + j,
-                                 start, nk, pos0 + i0, scale, acc, run_max, run_sum);
+                const unpacked_block* u = unpacked + h * blocks + j;
+#ifdef PREFILL_AMX
+                if (amx) {
+                    amx_score_block(&queries[0][0][0], u, &raw[0][0]);
+                    amx_attend_block(raw, nv, u, start, nk, pos0 + i0, scale, acc, run_max, run_sum, weights);
+                    continue;
+                }
+#endif
+                for (int v0 = 0; v0 < nv; v0 += SCORE_TILE) {
+                    const int nt = nv - v0 < SCORE_TILE ? nv - v0 : SCORE_TILE;
+                    __m512 s[SCORE_TILE];
+                    score_block(qv, v0, nt, u, s);
+                    attend_block(s, v0, nt, u, start, nk, pos0 + i0, scale, acc, run_max, run_sum);
+                }
             }
             for (int v = 0; v < nv; v++) {
                 uint16_t* dst = out + ((i0 + v / GROUP) * q_heads + h * GROUP + v % GROUP) * HEAD_DIM;
@@ -497,6 +623,9 @@ int paged_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* cach
                 for (int d = 0; d < HEAD_DIM; d++) dst[d] = float_to_bf16(acc[v][d] * inv);
             }
         }
+#ifdef PREFILL_AMX
+        if (amx) _tile_release();
+#endif
     }
     free(unpacked);
     return 0;
