@@ -390,11 +390,17 @@ class ModelRunner:
         ids = plan.sampling_ids
         requests = [self.requests[rid] for rid in ids]
         states = [req.sampling for req in requests]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        if drafts:
+        sampled_hidden = hidden[torch.tensor(rows, device=self.device)]
+        greedy = None
+        if not drafts and mask is None and self.sampler.plain_greedy(states):
+            greedy = self.model.greedy_tokens(sampled_hidden, self.vocab_size)
+        if greedy is not None:
+            results = [SampleResult(t, None) for t in greedy.tolist()]
+        elif drafts:
+            logits = self.model.compute_logits(sampled_hidden)
             results = self.sampler.verify(logits, states, [drafts.get(rid, []) for rid in ids], mask)
         else:
-            results = self.sampler(logits, states, mask)
+            results = self.sampler(self.model.compute_logits(sampled_hidden), states, mask)
         for i, (req, result) in enumerate(zip(requests, results, strict=True)):
             if result.accepted:
                 req.sampling.output_token_ids.extend(a.token_id for a in result.accepted)

@@ -113,6 +113,12 @@ class Sampler:
             return self.native.argmax(logits)
         return logits.argmax(dim=-1)
 
+    @staticmethod
+    def plain_greedy(states: Sequence[SamplingState]) -> bool:
+        """Whether every row's token is its logits' argmax and nothing else is wanted of them (no logprobs,
+        penalties, biases or bans): then the argmax alone may come from elsewhere (a model's greedy_tokens)."""
+        return all(s.params.greedy and s.params.logprobs is None and not s.needs_processing for s in states)
+
     def __call__(
         self, logits: torch.Tensor, states: Sequence[SamplingState], mask: TokenMask | None = None
     ) -> list[SampleResult]:
@@ -127,9 +133,7 @@ class Sampler:
                 f"got {list(logits.shape)}"
             )
         logits = logits[:, : self.vocab_size]
-        if mask is None and all(
-            s.params.greedy and s.params.logprobs is None and not s.needs_processing for s in states
-        ):
+        if mask is None and self.plain_greedy(states):
             return [SampleResult(t, None) for t in self.argmax(logits).tolist()]
 
         x = logits.to(torch.float32, copy=True)

@@ -19,6 +19,7 @@ from hybridserve.models.cache_specs import LayerSpec, LinearStateSpec, MLASpec
 from hybridserve.models.layers.attention import AttentionMetadata
 from hybridserve.models.layers.depth_mix import DepthMix, DepthStream
 from hybridserve.models.layers.kda import KDAConfig, KimiDeltaAttention
+from hybridserve.models.layers.linear import NativeLinear
 from hybridserve.models.layers.mla import MLAConfig, MultiheadLatentAttention
 from hybridserve.models.layers.moe import GatedMLP, MoEConfig, SparseMoE
 from hybridserve.models.layers.norm import RMSNorm
@@ -172,3 +173,7 @@ class KimiLinearForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """As LlamaForCausalLM.greedy_tokens."""
+        return self.lm_head.argmax(hidden, vocab_size) if isinstance(self.lm_head, NativeLinear) else None

@@ -179,3 +179,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits: sampling and logprobs are exact and fast on them whatever the model dtype."""
         return self.lm_head(hidden).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """compute_logits(hidden)[:, :vocab_size].argmax(-1) from the head's int8 bounds, most logits never
+        computed; None where the head has none (NativeLinear.argmax)."""
+        return self.lm_head.argmax(hidden, vocab_size) if isinstance(self.lm_head, NativeLinear) else None

@@ -369,8 +369,357 @@ void linear_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, cons
         if (mode == STREAM) _mm_sfence(); /* the streamed lines reach memory before the threads join */
     }
 }
+
+#if defined(__AVX512VNNI__)
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+
+/* The greedy head: each row's argmax of x W^T (the first largest of the float32 logits linear_bf16 gives, as
+ * torch.argmax picks it) with only the few logits that could be the largest computed.
+ *
+ * W is kept a second time in int8 (per row v a scale s_v = max |w_v| / 127) and each row of x is rounded the
+ * same way (scale t). Their integer dot products, four bytes a lane with AVX512-VNNI (twice bf16's products
+ * an instruction, half its bytes), give every logit within a bound: with x = t qx + ex and w = s qw + ew,
+ *     x.w - s t qx.qw = x.ew + ex.(s qw),   so   |x.w - approx| <= |x| |ew| + |ex| (|w| + |ew|).
+ * A logit whose upper bound is below the best lower bound of its row cannot be the largest, even as float32
+ * sums it (their rounding, at most 2 (k + 2) 2^-24 |x| |w|, is in the margin); the rest, a few hundred of
+ * 49152 on the default model, are summed exactly as the panel kernel sums them: each lane of vdpbf16ps depends
+ * only on its own inputs, so 16 candidates' weight pairs side by side in one vector give their logits bitwise.
+ * Per call: the bounds (threads split the int8 panels, each weight read once), then per row its candidates.
+ * A row with too many candidates (nearly flat logits), or a non-finite x, is reported undecided (-1): the
+ * caller computes its logits. */
+
+#define QW 16 /* rows of W per int8 panel: one vector of int32 sums */
+#define QMR 12 /* rows of x per int8 register tile: 24 accumulators, two weight vectors and a broadcast */
+
+/* acc + a (unsigned bytes) . b (signed bytes), four a lane, in place: with the intrinsic GCC copies every
+ * accumulator in and out of another register each step, and spills some. */
+static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
+static inline float bf16_value(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Whether linear_bf16 sums a head of inner size k on the AVX512-BF16 path, whose order the exact logits
+ * follow (the AMX path sums 32 k a tile). */
+int64_t linear_argmax_available(int64_t k) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx_enabled && k % AMX_K == 0) return 0;
+#endif
+    return k > 0;
+}
+
+/* w: [n, k] bf16 row-major. q: [ceil(n / 2 QW) * 2, k4 / 4, QW, 4] int8 (whole pairs of panels; k4: k rounded
+ * up to 4; the k and rows past w zero); meta: [4, ceil(n / 2 QW) * 2 QW] float32: per row its scale, |w - s q|
+ * and |w| (both rounded up) and the sum of its q. Returns 0, or -1 where w holds a non-finite value. */
+int64_t linear_argmax_pack(const uint16_t* w, int64_t n, int64_t k, int8_t* q, float* meta) {
+    const int64_t k4 = (k + 3) / 4 * 4, padded = (n + 2 * QW - 1) / (2 * QW) * 2 * QW;
+    int bad = 0;
+#pragma omp parallel for reduction(| : bad) if (n * k >= PARALLEL_MIN_WORK)
+    for (int64_t v = 0; v < padded; v++) {
+        float amax = 0.0f;
+        for (int64_t i = 0; v < n && i < k; i++) {
+            const float a = fabsf(bf16_value(w[v * k + i]));
+            if (!(a <= FLT_MAX)) bad = 1;
+            else if (a > amax) amax = a;
+        }
+        const float s = amax / 127.0f;
+        double err = 0.0, norm = 0.0;
+        int32_t sum = 0;
+        int8_t* panel = q + (v / QW) * k4 * QW;
+        for (int64_t i = 0; i < k4; i++) {
+            const float x = v < n && i < k ? bf16_value(w[v * k + i]) : 0.0f;
+            const float r = s > 0.0f ? nearbyintf(x / s) : 0.0f;
+            const int qi = r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
+            panel[(i / 4) * QW * 4 + (v % QW) * 4 + i % 4] = (int8_t)qi;
+            const double e = (double)x - (double)s * qi;
+            err += e * e, norm += (double)x * x, sum += qi;
+        }
+        meta[v] = s;
+        meta[padded + v] = (float)(sqrt(err) * (1.0 + 1e-6));
+        meta[2 * padded + v] = (float)(sqrt(norm) * (1.0 + 1e-6));
+        meta[3 * padded + v] = (float)sum;
+    }
+    return bad ? -1 : 0;
+}
+
+typedef struct {
+    float t, norm, err; /* x's scale (NaN: x not finite), |x|, |x - t qx|, the last two rounded up */
+} argmax_row;
+
+/* The workspace: per thread and row of x, the lanes of its best lower bound so far; per row, every column's
+ * upper bound (-inf past n), x in uint8 (qx + 128) and its argmax_row. */
+typedef struct {
+    float* lower;     /* [threads][m][16] */
+    float* upper;     /* [m][stride] */
+    argmax_row* rows; /* [m] */
+    uint8_t* xq;      /* [m][k4] */
+    int64_t stride;   /* n rounded up to panel pairs */
+} argmax_work;
+
+static argmax_work argmax_layout(void* base, int64_t m, int64_t n, int64_t threads) {
+    argmax_work w;
+    char* p = base;
+    w.stride = (n + 2 * QW - 1) / (2 * QW) * 2 * QW;
+    w.lower = (float*)p, p += threads * m * 16 * sizeof(float);
+    w.upper = (float*)p, p += m * w.stride * sizeof(float);
+    w.rows = (argmax_row*)p, p += m * sizeof(argmax_row);
+    w.xq = (uint8_t*)p;
+    return w;
+}
+
+/* Bytes of workspace linear_argmax needs for m rows, n columns and inner size k. */
+int64_t linear_argmax_workspace(int64_t m, int64_t n, int64_t k) {
+    const int64_t k4 = (k + 3) / 4 * 4, threads = omp_get_max_threads();
+    const int64_t stride = (n + 2 * QW - 1) / (2 * QW) * 2 * QW;
+    return (threads * m * 16 + m * stride) * (int64_t)sizeof(float) + m * (int64_t)sizeof(argmax_row) + m * k4;
+}
+
+/* Row r of x into w->xq and w->rows[r]. */
+static void argmax_quantize(const uint16_t* x, int64_t k, int64_t k4, uint8_t* xq, argmax_row* row) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int64_t i = 0; i < k; i++) {
+        const float a = fabsf(bf16_value(x[i]));
+        if (!(a <= FLT_MAX)) finite = 0;
+        else if (a > amax) amax = a;
+    }
+    const float t = amax / 127.0f;
+    double err = 0.0, norm = 0.0;
+    for (int64_t i = 0; i < k4; i++) {
+        const float v = i < k ? bf16_value(x[i]) : 0.0f;
+        const float r = t > 0.0f ? nearbyintf(v / t) : 0.0f;
+        const int qi = r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
+        xq[i] = (uint8_t)(qi + 128);
+        const double e = (double)v - (double)t * qi;
+        err += e * e, norm += (double)v * v;
+    }
+    row->t = finite ? t : NAN;
+    row->norm = (float)(sqrt(norm) * (1.0 + 1e-6));
+    row->err = (float)(sqrt(err) * (1.0 + 1e-6));
+}
+
+/* The bounds of rows r0 .. r0 + mr - 1 against one or two int8 panels (columns col ..): their upper bounds
+ * stored, their lower bounds into this thread's best. */
+static inline __attribute__((always_inline)) void argmax_tile(int mr, int64_t r0, int64_t m, const int8_t* panel,
+                                                              const int8_t* next, int halves, int64_t k, int64_t k4,
+                                                              const float* meta, int64_t padded, int64_t col,
+                                                              int64_t n, const argmax_work* w, int thread) {
+    __m512i acc[QMR][2];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    const uint8_t* xq = w->xq + r0 * k4;
+    for (int64_t i = 0; i < k4 / 4; i++) {
+        if (next != 0) { /* the next pair of panels into L2, as linear_bf16 does */
+            _mm_prefetch((const char*)(next + i * QW * 4), _MM_HINT_T1);
+            _mm_prefetch((const char*)(next + k4 * QW + i * QW * 4), _MM_HINT_T1);
+        }
+        const __m512i b0 = _mm512_loadu_si512(panel + i * QW * 4);
+        const __m512i b1 = _mm512_loadu_si512(panel + k4 * QW + i * QW * 4); /* zero past n: q holds whole pairs */
+        for (int r = 0; r < mr; r++) {
+            int32_t four;
+            memcpy(&four, xq + r * k4 + 4 * i, sizeof four);
+            const __m512i a = _mm512_set1_epi32(four);
+            acc[r][0] = dpbusd(acc[r][0], a, b0);
+            acc[r][1] = dpbusd(acc[r][1], a, b1);
+        }
+    }
+    int32_t sums[2][QMR * 16] __attribute__((aligned(64))); /* out of registers: the loop above keeps acc in them */
+    for (int r = 0; r < mr; r++) {
+        _mm512_store_si512(sums[0] + r * 16, acc[r][0]);
+        _mm512_store_si512(sums[1] + r * 16, acc[r][1]);
+    }
+    const float gamma = 2.0f * (float)(k + 2) * 0x1p-24f, tiny = (float)k * 0x1p-126f;
+    for (int h = 0; h < halves; h++) {
+        const int64_t c = col + h * QW;
+        const __mmask16 valid = n - c >= QW ? 0xffff : (__mmask16)((1u << (n - c)) - 1);
+        const __m512 s = _mm512_loadu_ps(meta + c), ew = _mm512_loadu_ps(meta + padded + c);
+        const __m512 nw = _mm512_loadu_ps(meta + 2 * padded + c);
+        const __m512i offset = _mm512_slli_epi32(_mm512_cvtps_epi32(_mm512_loadu_ps(meta + 3 * padded + c)), 7);
+        for (int r = 0; r < mr; r++) {
+            const argmax_row* row = w->rows + r0 + r;
+            if (!(row->t == row->t)) continue; /* x not finite: undecided */
+            const __m512 hn = _mm512_set1_ps(row->norm), eh = _mm512_set1_ps(row->err);
+            const __m512i dot = _mm512_sub_epi32(_mm512_load_si512(sums[h] + r * 16), offset);
+            const __m512 approx = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(row->t)));
+            const __m512 bound = _mm512_fmadd_ps(hn, ew, _mm512_mul_ps(eh, _mm512_add_ps(nw, ew)));
+            __m512 margin = _mm512_mul_ps(_mm512_set1_ps(1e-5f), _mm512_add_ps(_mm512_abs_ps(approx), bound));
+            margin = _mm512_fmadd_ps(_mm512_set1_ps(gamma), _mm512_mul_ps(hn, nw), margin);
+            const __m512 denormals = _mm512_add_ps(_mm512_add_ps(hn, nw), _mm512_set1_ps(1.0f)); /* flushed */
+            margin = _mm512_fmadd_ps(_mm512_set1_ps(tiny), denormals, margin);
+            const __m512 spread = _mm512_add_ps(bound, margin);
+            const __m512 up = _mm512_mask_add_ps(_mm512_set1_ps(-INFINITY), valid, approx, spread);
+            _mm512_store_ps(w->upper + (r0 + r) * w->stride + c, up);
+            float* lower = w->lower + (thread * m + r0 + r) * 16;
+            _mm512_store_ps(lower, _mm512_mask_max_ps(_mm512_load_ps(lower), valid, _mm512_load_ps(lower),
+                                                      _mm512_sub_ps(approx, spread)));
+        }
+    }
+}
+
+static void argmax_tile_rows(int mr, int64_t r0, int64_t m, const int8_t* panel, const int8_t* next, int halves,
+                             int64_t k, int64_t k4, const float* meta, int64_t padded, int64_t col, int64_t n,
+                             const argmax_work* w, int thread) {
+    switch (mr) {
+#define ROWS(rows) \
+    case rows: argmax_tile(rows, r0, m, panel, next, halves, k, k4, meta, padded, col, n, w, thread); break;
+        ROWS(12) ROWS(11) ROWS(10) ROWS(9) ROWS(8) ROWS(7) ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2)
+#undef ROWS
+        default: argmax_tile(1, r0, m, panel, next, halves, k, k4, meta, padded, col, n, w, thread); break;
+    }
+}
+
+/* The exact logits of row x at the *nc (<= 16) columns cand, in the panel kernel's order (w: W row-major,
+ * each row's pairs read in turn, so 16 rows stream through L1 rather than 16 cache lines a pair), folded into
+ * the running best: the first largest, ties to the lower column. *nc back to 0. */
+static void argmax_exact_best(const uint16_t* x, int64_t k, const uint16_t* w, const int32_t* cand, int* nc,
+                              float* best, int64_t* best_col) {
+    const int64_t pairs = (k + 1) / 2;
+    const uint16_t* rows[16];
+    for (int j = 0; j < 16; j++) rows[j] = w + cand[j < *nc ? j : 0] * k;
+    __m512 acc = _mm512_setzero_ps();
+    int32_t two[16] __attribute__((aligned(64)));
+    if (k % 2 == 0) {
+        /* 16 pairs of the 16 rows at a time: a 16 x 16 transpose of 32-bit words gives pair i of every row */
+        int64_t i = 0;
+        for (; i + 16 <= pairs; i += 16) {
+            __m512i t[16], u[16];
+            for (int j = 0; j < 16; j++) t[j] = _mm512_loadu_si512(rows[j] + 2 * i);
+            for (int j = 0; j < 16; j += 2) {
+                u[j] = _mm512_unpacklo_epi32(t[j], t[j + 1]);
+                u[j + 1] = _mm512_unpackhi_epi32(t[j], t[j + 1]);
+            }
+            for (int j = 0; j < 16; j += 4) {
+                t[j] = _mm512_unpacklo_epi64(u[j], u[j + 2]);
+                t[j + 1] = _mm512_unpackhi_epi64(u[j], u[j + 2]);
+                t[j + 2] = _mm512_unpacklo_epi64(u[j + 1], u[j + 3]);
+                t[j + 3] = _mm512_unpackhi_epi64(u[j + 1], u[j + 3]);
+            }
+            for (int j = 0; j < 8; j++) {
+                const int a = (j / 4) * 8 + j % 4, b = a + 4;
+                u[j] = _mm512_shuffle_i32x4(t[a], t[b], 0x88);     /* 128-bit lanes 0, 2 of each */
+                u[j + 8] = _mm512_shuffle_i32x4(t[a], t[b], 0xdd); /* lanes 1, 3 */
+            }
+            for (int j = 0; j < 4; j++) {
+                t[j] = _mm512_shuffle_i32x4(u[j], u[j + 4], 0x88);
+                t[j + 4] = _mm512_shuffle_i32x4(u[j + 8], u[j + 12], 0x88);
+                t[j + 8] = _mm512_shuffle_i32x4(u[j], u[j + 4], 0xdd);
+                t[j + 12] = _mm512_shuffle_i32x4(u[j + 8], u[j + 12], 0xdd);
+            }
+            /* t[p]: pair i + p of all 16 rows, row j in lane j */
+            for (int p = 0; p < 16; p++) acc = _mm512_dpbf16_ps(acc, pair(x, i + p, k), (__m512bh)t[p]);
+        }
+        int32_t idx[16] __attribute__((aligned(64)));
+        for (int j = 0; j < 16; j++) idx[j] = (int32_t)((rows[j] - w) / 2); /* in 32-bit words */
+        const __m512i base = _mm512_load_si512(idx);
+        for (; i < pairs; i++) {
+            const __m512i at = _mm512_add_epi32(base, _mm512_set1_epi32((int)i));
+            acc = _mm512_dpbf16_ps(acc, pair(x, i, k), (__m512bh)_mm512_i32gather_epi32(at, (const void*)w, 4));
+        }
+    } else { /* rows are not word-aligned: each pair from its two halves; the last one's second is zero */
+        for (int64_t i = 0; i < pairs; i++) {
+            for (int j = 0; j < 16; j++) {
+                const uint32_t second = 2 * i + 1 < k ? (uint32_t)rows[j][2 * i + 1] << 16 : 0u;
+                two[j] = (int32_t)((uint32_t)rows[j][2 * i] | second);
+            }
+            acc = _mm512_dpbf16_ps(acc, pair(x, i, k), (__m512bh)_mm512_load_si512(two));
+        }
+    }
+    float exact[16] __attribute__((aligned(64)));
+    _mm512_store_ps(exact, acc);
+    for (int j = 0; j < *nc; j++)
+        if (exact[j] > *best || (exact[j] == *best && cand[j] < *best_col)) *best = exact[j], *best_col = cand[j];
+    *nc = 0;
+}
+
+/* out[r]: the argmax over columns 0 .. n - 1 of x's row r times W (q, meta: linear_argmax_pack's of W's first
+ * n or more rows; w: W itself, [n, k] row-major), or -1 where undecided. work: linear_argmax_workspace(m, n, k)
+ * bytes, 64-byte aligned. Returns the number of rows undecided. */
+int64_t linear_argmax(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, const int8_t* q, const float* meta,
+                      int64_t meta_rows, const uint16_t* w_rows, int64_t n, void* work, int64_t* out) {
+    const int64_t k4 = (k + 3) / 4 * 4, threads = omp_get_max_threads();
+    const int64_t panels = (n + QW - 1) / QW, pairs = (panels + 1) / 2;
+    const int64_t most = n / 8 > 64 ? n / 8 : 64; /* candidates past which the full row is cheaper */
+    const argmax_work w = argmax_layout(work, m, n, threads);
+    for (int64_t i = 0; i < threads * m * 16; i++) w.lower[i] = -INFINITY;
+    for (int64_t r = 0; r < m; r++) argmax_quantize(x + r * x_stride, k, k4, w.xq + r * k4, w.rows + r);
+    const int64_t tiles = (m + QMR - 1) / QMR, base = m / tiles, extra = m % tiles;
+    int64_t undecided = 0;
+#pragma omp parallel reduction(+ : undecided)
+    {
+        const int thread = omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            const int64_t col = p * 2 * QW;
+            const int halves = n - col > QW ? 2 : 1;
+            for (int64_t t = 0, r = 0; t < tiles; t++) {
+                const int mr = (int)(base + (t < extra));
+                const int8_t* next = t == 0 && p + 1 < pairs ? q + (p + 1) * 2 * k4 * QW : 0;
+                argmax_tile_rows(mr, r, m, q + p * 2 * k4 * QW, next, halves, k, k4, meta, meta_rows, col, n, &w,
+                                 thread);
+                r += mr;
+            }
+        }
+        /* the implicit barrier: every bound is in */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < m; r++) {
+            if (!(w.rows[r].t == w.rows[r].t)) { /* x not finite */
+                out[r] = -1, undecided++;
+                continue;
+            }
+            __m512 lanes = _mm512_set1_ps(-INFINITY);
+            for (int64_t t = 0; t < threads; t++)
+                lanes = _mm512_max_ps(lanes, _mm512_load_ps(w.lower + (t * m + r) * 16));
+            const __m512 lower = _mm512_set1_ps(_mm512_reduce_max_ps(lanes));
+            const float* upper = w.upper + r * w.stride;
+            int64_t count = 0;
+            for (int64_t v = 0; v < n; v += 16) {
+                const __mmask16 valid = n - v >= 16 ? 0xffff : (__mmask16)((1u << (n - v)) - 1);
+                count += __builtin_popcount(
+                    _mm512_mask_cmp_ps_mask(valid, _mm512_load_ps(upper + v), lower, _CMP_GE_OQ));
+            }
+            if (count > most) {
+                out[r] = -1, undecided++;
+                continue;
+            }
+            const uint16_t* row = x + r * x_stride;
+            int32_t cand[16];
+            float best = -INFINITY;
+            int64_t best_col = -1;
+            int nc = 0;
+            for (int64_t v = 0; v < n; v += 16) {
+                const __mmask16 valid = n - v >= 16 ? 0xffff : (__mmask16)((1u << (n - v)) - 1);
+                for (unsigned keep = _mm512_mask_cmp_ps_mask(valid, _mm512_load_ps(upper + v), lower, _CMP_GE_OQ);
+                     keep != 0; keep &= keep - 1) {
+                    cand[nc++] = (int32_t)(v + __builtin_ctz(keep));
+                    if (nc == 16) argmax_exact_best(row, k, w_rows, cand, &nc, &best, &best_col);
+                }
+            }
+            if (nc > 0) argmax_exact_best(row, k, w_rows, cand, &nc, &best, &best_col);
+            out[r] = best_col;
+            if (best_col < 0) undecided++;
+        }
+    }
+    return undecided;
+}
+#else
+int64_t linear_argmax_available(int64_t k) {
+    (void)k;
+    return 0; /* no AVX512-VNNI here */
+}
+#endif
 #else
 int64_t linear_bf16_panel_width(void) { return 0; } /* no AVX512-BF16 here: bf16 stays with oneDNN */
+int64_t linear_argmax_available(int64_t k) {
+    (void)k;
+    return 0;
+}
 #endif
 
 #if !(defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__))

@@ -36,17 +36,41 @@ class PackedLinear(nn.Module):
 class NativeLinear(nn.Module):
     """The native kernel over the weight's panels (float32 or bfloat16); inputs of any leading shape."""
 
-    def __init__(self, linear: nn.Linear, kernels: LinearKernels, float_out: bool = False) -> None:
+    def __init__(
+        self, linear: nn.Linear, kernels: LinearKernels, float_out: bool = False, argmax: bool = False
+    ) -> None:
+        """argmax: keep what argmax() needs, where the kernels can take it (a head without bias, in bf16 on a CPU
+        with AVX512-VNNI): the weight row-major too, and its int8 copy."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels, self.float_out = kernels, float_out
-        self.panels = kernels.pack(linear.weight.detach())
+        weight = linear.weight.detach()
+        self.panels = kernels.pack(weight)
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        # argmax(): the weight row-major (a tied head's is the embedding's: no copy) and its int8 copy
+        self.argmax_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if argmax and self.bias is None and kernels.can_argmax(weight):
+            weight = weight.contiguous()
+            self.argmax_tables = (weight, *kernels.pack_argmax(weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         y = self.kernels.linear(rows, self.panels, self.out_features, self.bias, self.float_out)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def argmax(self, x: torch.Tensor, n: int) -> torch.Tensor | None:
+        """forward(x)[:, :n].float().argmax(-1) for x [M, in_features], the same tokens, without most of the
+        outputs (LinearKernels.argmax; a row it cannot tell so gets its outputs computed); None without the int8
+        copy."""
+        if self.argmax_tables is None:
+            return None
+        n = min(n, self.out_features)
+        tokens = self.kernels.argmax(x, *self.argmax_tables, n)
+        undecided = (tokens < 0).nonzero().flatten()
+        if undecided.numel():
+            logits = self.kernels.linear(x[undecided], self.panels, self.out_features, self.bias, True)
+            tokens[undecided] = logits[:, :n].argmax(-1)
+        return tokens
 
 
 def can_pack(device: torch.device) -> bool:
@@ -57,11 +81,12 @@ def pack_linears(model: nn.Module, kernels: LinearKernels | None = None) -> None
     """Replace every nn.Linear in `model`, in place: by a NativeLinear where `kernels` are given and take the
     weight's dtype, else by a PackedLinear. A native head (`lm_head`) returns float32 logits, its sums
     unrounded: in bf16, logits a step apart (0.125 at 25) are near ties that rounding makes exact, and the
-    argmax would then pick the lower token id, not the larger logit."""
+    argmax would then pick the lower token id, not the larger logit. It keeps an int8 copy for argmax() too."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
             if kernels is not None and child.weight.dtype in kernels.dtypes:
-                setattr(model, name, NativeLinear(child, kernels, float_out=name == "lm_head"))
+                head = name == "lm_head"
+                setattr(model, name, NativeLinear(child, kernels, float_out=head, argmax=head))
             else:
                 setattr(model, name, PackedLinear(child))
         else:

@@ -244,6 +244,12 @@ class LinearKernels:
         if torch.bfloat16 in self.panel_width:
             self._pack[torch.bfloat16] = _function(lib, "linear_pack_bf16", [_P, _I, _I, _P])
             self._linear[torch.bfloat16] = _function(lib, "linear_bf16", [_P, _I, _I, _I, _P, _I, _P, _P, _I])
+        self._argmax_available = _function(lib, "linear_argmax_available", [_I], _I)
+        if self._argmax_available(1):
+            self._argmax_pack = _function(lib, "linear_argmax_pack", [_P, _I, _I, _P, _P], _I)
+            self._argmax_workspace = _function(lib, "linear_argmax_workspace", [_I, _I, _I], _I)
+            self._argmax = _function(lib, "linear_argmax", [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P], _I)
+        self._argmax_work = torch.empty(0, dtype=torch.uint8)
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
@@ -292,6 +298,60 @@ class LinearKernels:
             else:
                 self._linear[x.dtype](*args, y.data_ptr())
         return y
+
+    def can_argmax(self, weight: torch.Tensor) -> bool:
+        """Whether argmax takes this bf16 weight [N, K]: with AVX512-VNNI, where linear() sums it with
+        AVX512-BF16 (not on AMX's tiles, whose order argmax's exact logits do not follow), and with panels small
+        enough for the 32-bit offsets its candidates' weights are gathered by."""
+        if weight.dtype != torch.bfloat16 or torch.bfloat16 not in self.panel_width or weight.dim() != 2:
+            return False
+        n, k = weight.shape
+        width = self.panel_width[torch.bfloat16]
+        return bool(self._argmax_available(k)) and -(-n // width) * width * -(-k // 2) < 2**31
+
+    def pack_argmax(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 copy of a bf16 weight [N, K] that argmax bounds its logits with: panels of 16 rows, whole
+        pairs of them, [ceil(N / 32) * 2, ceil(K / 4), 16, 4], and per row its scale, error norm, norm and sum
+        [4, ceil(N / 32) * 32]."""
+        if not self.can_argmax(weight):
+            raise ValueError(f"argmax cannot take the weight {weight.dtype} {tuple(weight.shape)} on this CPU")
+        weight = weight.contiguous()
+        n, k = weight.shape
+        q = torch.empty((-(-n // 32) * 2, -(-k // 4), 16, 4), dtype=torch.int8)
+        meta = torch.empty((4, q.shape[0] * 16), dtype=torch.float32)
+        if self._argmax_pack(weight.data_ptr(), n, k, q.data_ptr(), meta.data_ptr()) != 0:
+            raise ValueError(f"the weight {tuple(weight.shape)} holds a non-finite value: its logits have no bound")
+        return q, meta
+
+    def argmax(
+        self, x: torch.Tensor, weight: torch.Tensor, q: torch.Tensor, meta: torch.Tensor, n: int
+    ) -> torch.Tensor:
+        """Each row's argmax over the first n columns of linear(x, pack(weight), ..., float_out=True) (the first
+        largest), as int64, with only the logits that could be the largest computed, bitwise as linear() sums
+        them; -1 for a row it cannot tell so cheaper than the full row (a non-finite x, or an eighth of the
+        columns candidates: nearly flat logits). x: [M, K] bf16, rows contiguous; weight: [N, K] bf16 contiguous
+        (n <= N); q, meta: pack_argmax(weight)."""
+        m, k = x.shape
+        if (
+            x.dtype != torch.bfloat16
+            or x.stride(1) != 1
+            or weight.shape[1] != k
+            or not weight.is_contiguous()
+            or q.shape[1] != -(-k // 4)
+            or not 0 < n <= weight.shape[0]
+        ):
+            raise ValueError(
+                f"argmax needs bf16 rows [M, K] of the weight's K and 0 < n <= its rows, got {x.dtype} "
+                f"{tuple(x.shape)} strides {x.stride()}, n {n}, weight {tuple(weight.shape)}"
+            )
+        out = torch.empty(m, dtype=torch.int64)
+        if m:
+            size = self._argmax_workspace(m, n, k)
+            if self._argmax_work.numel() < size:
+                self._argmax_work = torch.empty(size, dtype=torch.uint8)
+            args = [x.data_ptr(), x.stride(0), m, k, q.data_ptr(), meta.data_ptr(), meta.shape[1], weight.data_ptr()]
+            self._argmax(*args, n, self._argmax_work.data_ptr(), out.data_ptr())
+        return out
 
 
 class KDADecode:
