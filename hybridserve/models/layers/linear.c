@@ -121,6 +121,8 @@ void linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const fl
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include "cpu_math.h"
+
 #define NRB 32  /* output columns per bf16 panel: two vectors of 16 float32 accumulators */
 #define MRB 12  /* rows per bf16 register tile: 24 accumulators, two weight vectors and a broadcast */
 
@@ -400,11 +402,30 @@ static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i
     return acc;
 }
 
-static inline float bf16_value(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+/* A row of k bf16 values rounded to int8 with one scale (max |v| / 127, returned; NaN if a value is not finite),
+ * q[0 .. k4) (zero past k); *err: |v - scale q|, *norm: |v|, both rounded up; *sum: the sum of q. */
+static float quantize_row(const uint16_t* v, int64_t k, int64_t k4, int8_t* q, float* err, float* norm, int32_t* sum) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int64_t i = 0; i < k; i++) {
+        const float a = fabsf(bf16_to_float(v[i]));
+        if (!(a <= FLT_MAX)) finite = 0;
+        else if (a > amax) amax = a;
+    }
+    const float scale = amax / 127.0f;
+    double e2 = 0.0, n2 = 0.0;
+    *sum = 0;
+    for (int64_t i = 0; i < k4; i++) {
+        const float x = i < k ? bf16_to_float(v[i]) : 0.0f;
+        const float r = scale > 0.0f ? nearbyintf(x / scale) : 0.0f;
+        const int qi = r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
+        q[i] = (int8_t)qi, *sum += qi;
+        const double e = (double)x - (double)scale * qi;
+        e2 += e * e, n2 += (double)x * x;
+    }
+    *err = (float)(sqrt(e2) * (1.0 + 1e-6));
+    *norm = (float)(sqrt(n2) * (1.0 + 1e-6));
+    return finite ? scale : NAN;
 }
 
 /* Whether linear_bf16 sums a head of inner size k on the AVX512-BF16 path, whose order the exact logits
@@ -424,28 +445,18 @@ int64_t linear_argmax_pack(const uint16_t* w, int64_t n, int64_t k, int8_t* q, f
     int bad = 0;
 #pragma omp parallel for reduction(| : bad) if (n * k >= PARALLEL_MIN_WORK)
     for (int64_t v = 0; v < padded; v++) {
-        float amax = 0.0f;
-        for (int64_t i = 0; v < n && i < k; i++) {
-            const float a = fabsf(bf16_value(w[v * k + i]));
-            if (!(a <= FLT_MAX)) bad = 1;
-            else if (a > amax) amax = a;
-        }
-        const float s = amax / 127.0f;
-        double err = 0.0, norm = 0.0;
+        int8_t row[k4];
+        float err = 0.0f, norm = 0.0f, scale = 0.0f;
         int32_t sum = 0;
-        int8_t* panel = q + (v / QW) * k4 * QW;
-        for (int64_t i = 0; i < k4; i++) {
-            const float x = v < n && i < k ? bf16_value(w[v * k + i]) : 0.0f;
-            const float r = s > 0.0f ? nearbyintf(x / s) : 0.0f;
-            const int qi = r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
-            panel[(i / 4) * QW * 4 + (v % QW) * 4 + i % 4] = (int8_t)qi;
-            const double e = (double)x - (double)s * qi;
-            err += e * e, norm += (double)x * x, sum += qi;
+        if (v < n) {
+            scale = quantize_row(w + v * k, k, k4, row, &err, &norm, &sum);
+            bad |= !(scale == scale);
+        } else {
+            memset(row, 0, (size_t)k4);
         }
-        meta[v] = s;
-        meta[padded + v] = (float)(sqrt(err) * (1.0 + 1e-6));
-        meta[2 * padded + v] = (float)(sqrt(norm) * (1.0 + 1e-6));
-        meta[3 * padded + v] = (float)sum;
+        int8_t* panel = q + (v / QW) * k4 * QW;
+        for (int64_t i = 0; i < k4; i++) panel[(i / 4) * QW * 4 + (v % QW) * 4 + i % 4] = row[i];
+        meta[v] = scale, meta[padded + v] = err, meta[2 * padded + v] = norm, meta[3 * padded + v] = (float)sum;
     }
     return bad ? -1 : 0;
 }
@@ -482,28 +493,11 @@ int64_t linear_argmax_workspace(int64_t m, int64_t n, int64_t k) {
     return (threads * m * 16 + m * stride) * (int64_t)sizeof(float) + m * (int64_t)sizeof(argmax_row) + m * k4;
 }
 
-/* Row r of x into w->xq and w->rows[r]. */
+/* Row r of x into w->xq (as qx + 128, for VNNI's unsigned operand) and w->rows[r]. */
 static void argmax_quantize(const uint16_t* x, int64_t k, int64_t k4, uint8_t* xq, argmax_row* row) {
-    float amax = 0.0f;
-    int finite = 1;
-    for (int64_t i = 0; i < k; i++) {
-        const float a = fabsf(bf16_value(x[i]));
-        if (!(a <= FLT_MAX)) finite = 0;
-        else if (a > amax) amax = a;
-    }
-    const float t = amax / 127.0f;
-    double err = 0.0, norm = 0.0;
-    for (int64_t i = 0; i < k4; i++) {
-        const float v = i < k ? bf16_value(x[i]) : 0.0f;
-        const float r = t > 0.0f ? nearbyintf(v / t) : 0.0f;
-        const int qi = r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
-        xq[i] = (uint8_t)(qi + 128);
-        const double e = (double)v - (double)t * qi;
-        err += e * e, norm += (double)v * v;
-    }
-    row->t = finite ? t : NAN;
-    row->norm = (float)(sqrt(norm) * (1.0 + 1e-6));
-    row->err = (float)(sqrt(err) * (1.0 + 1e-6));
+    int32_t sum;
+    row->t = quantize_row(x, k, k4, (int8_t*)xq, &row->err, &row->norm, &sum);
+    for (int64_t i = 0; i < k4; i++) xq[i] = (uint8_t)((int8_t)xq[i] + 128);
 }
 
 /* The bounds of rows r0 .. r0 + mr - 1 against one or two int8 panels (columns col ..): their upper bounds
@@ -538,7 +532,7 @@ static inline __attribute__((always_inline)) void argmax_tile(int mr, int64_t r0
     const float gamma = 2.0f * (float)(k + 2) * 0x1p-24f, tiny = (float)k * 0x1p-126f;
     for (int h = 0; h < halves; h++) {
         const int64_t c = col + h * QW;
-        const __mmask16 valid = n - c >= QW ? 0xffff : (__mmask16)((1u << (n - c)) - 1);
+        const __mmask16 valid = first_lanes(n - c);
         const __m512 s = _mm512_loadu_ps(meta + c), ew = _mm512_loadu_ps(meta + padded + c);
         const __m512 nw = _mm512_loadu_ps(meta + 2 * padded + c);
         const __m512i offset = _mm512_slli_epi32(_mm512_cvtps_epi32(_mm512_loadu_ps(meta + 3 * padded + c)), 7);
@@ -680,7 +674,7 @@ int64_t linear_argmax(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
             const float* upper = w.upper + r * w.stride;
             int64_t count = 0;
             for (int64_t v = 0; v < n; v += 16) {
-                const __mmask16 valid = n - v >= 16 ? 0xffff : (__mmask16)((1u << (n - v)) - 1);
+                const __mmask16 valid = first_lanes(n - v);
                 count += __builtin_popcount(
                     _mm512_mask_cmp_ps_mask(valid, _mm512_load_ps(upper + v), lower, _CMP_GE_OQ));
             }
@@ -694,7 +688,7 @@ int64_t linear_argmax(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
             int64_t best_col = -1;
             int nc = 0;
             for (int64_t v = 0; v < n; v += 16) {
-                const __mmask16 valid = n - v >= 16 ? 0xffff : (__mmask16)((1u << (n - v)) - 1);
+                const __mmask16 valid = first_lanes(n - v);
                 for (unsigned keep = _mm512_mask_cmp_ps_mask(valid, _mm512_load_ps(upper + v), lower, _CMP_GE_OQ);
                      keep != 0; keep &= keep - 1) {
                     cand[nc++] = (int32_t)(v + __builtin_ctz(keep));

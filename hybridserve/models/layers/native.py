@@ -301,13 +301,12 @@ class LinearKernels:
 
     def can_argmax(self, weight: torch.Tensor) -> bool:
         """Whether argmax takes this bf16 weight [N, K]: with AVX512-VNNI, where linear() sums it with
-        AVX512-BF16 (not on AMX's tiles, whose order argmax's exact logits do not follow), and with panels small
-        enough for the 32-bit offsets its candidates' weights are gathered by."""
+        AVX512-BF16 (not on AMX's tiles, whose order argmax's exact logits do not follow), and small enough for
+        the 32-bit word offsets its candidates' rows are gathered by."""
         if weight.dtype != torch.bfloat16 or torch.bfloat16 not in self.panel_width or weight.dim() != 2:
             return False
         n, k = weight.shape
-        width = self.panel_width[torch.bfloat16]
-        return bool(self._argmax_available(k)) and -(-n // width) * width * -(-k // 2) < 2**31
+        return bool(self._argmax_available(k)) and n * -(-k // 2) < 2**31
 
     def pack_argmax(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The int8 copy of a bf16 weight [N, K] that argmax bounds its logits with: panels of 16 rows, whole
