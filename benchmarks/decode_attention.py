@@ -1,0 +1,96 @@
+"""Decode attention: the native kernel over a whole step's layers, against the machine's read bandwidth.
+
+    python -m benchmarks.decode_attention [--batches 1,8,32,64] [--contexts 116,200,600] [--repeats 20]
+
+For each batch B and context L, the default model's decode attention (30 layers of 9 query heads over 3 KV
+heads, head_dim 64, 16-token blocks, bf16) as a step has it: one cache per layer, each request's blocks
+scattered over it (a random permutation), the query rows strided as the QKV projection leaves them. Timed:
+- `step_ms`: the 30 layers' `decode` calls, the median of `--repeats`;
+- `hot_ms`: the same calls with every request's table cycling through the same HOT_BLOCKS blocks, so the same
+  arithmetic runs on keys and values already in L1/L2: what the kernel costs with no memory traffic;
+- `floor_ms`: the keys and values a step reads (B x L x 3 heads x 2 x 64 x 2 bytes x 30) over the streaming
+  read bandwidth measured in the same run (`roofline.measure`), and `distance` = step_ms / floor_ms.
+Writes <out>/decode_attention.csv and .png and prints a markdown table; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from benchmarks.report import median_s, panel_plot, say, write_csv
+from hybridserve.engine import roofline
+from hybridserve.models.layers.native import load_paged_attention
+
+LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+HOT_BLOCKS = 4  # the blocks every hot table cycles through
+
+
+def row(batch: int, context: int, repeats: int, read_gb_s: float, gen: torch.Generator) -> dict[str, object]:
+    kernel = load_paged_attention(torch.bfloat16, HEAD_DIM, BLOCK, Q_HEADS // KV_HEADS)
+    per_request = -(-context // BLOCK)
+    num_blocks = batch * per_request
+    caches = [torch.randn(2, KV_HEADS, num_blocks, BLOCK, HEAD_DIM, generator=gen).bfloat16() for _ in range(LAYERS)]
+    tables = torch.randperm(num_blocks, generator=gen).view(batch, per_request)
+    hot = (torch.arange(per_request) % HOT_BLOCKS).expand(batch, per_request).contiguous()
+    lens = torch.full((batch,), context, dtype=torch.int64)
+    qkv = torch.randn(batch, Q_HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    q, scale = qkv[:, :Q_HEADS], HEAD_DIM**-0.5
+
+    def step(table: torch.Tensor) -> None:
+        for cache in caches:
+            kernel.decode(q, cache, table, lens, scale)
+
+    step_ms = 1000 * median_s(lambda: step(tables), repeats)
+    hot_ms = 1000 * median_s(lambda: step(hot), repeats)
+    kv_bytes = batch * context * KV_HEADS * 2 * HEAD_DIM * 2 * LAYERS
+    floor_ms = kv_bytes / (read_gb_s * 1e9) * 1000
+    return {
+        "batch": batch,
+        "context": context,
+        "step_ms": round(step_ms, 3),
+        "hot_ms": round(hot_ms, 3),
+        "floor_ms": round(floor_ms, 3),
+        "distance": round(step_ms / floor_ms, 2),
+        "kv_gb_s": round(kv_bytes / step_ms / 1e6, 1),
+        "read_gb_s": round(read_gb_s, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=lambda s: [int(n) for n in s.split(",")], default=[1, 8, 32, 64])
+    p.add_argument("--contexts", type=lambda s: [int(n) for n in s.split(",")], default=[116, 200, 600])
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args(argv)
+    if not load_paged_attention(torch.bfloat16, HEAD_DIM, BLOCK, Q_HEADS // KV_HEADS).bf16_dot:
+        raise SystemExit("this CPU has no AVX512-BF16: the bf16 decode kernel takes its portable path here")
+    limits = roofline.measure(torch.device("cpu"), torch.bfloat16, read_mib=1024, gemm_n=512, repeats=5)
+    say(f"streaming read {limits.read_gb_s:.1f} GB/s, {torch.get_num_threads()} threads")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            rows.append(row(batch, context, args.repeats, limits.read_gb_s, gen))
+            say(f"  {rows[-1]}")
+    write_csv(rows, args.out / "decode_attention.csv")
+    panels = {
+        f"context {c}": {
+            name: [(int(str(r["batch"])), float(str(r[key]))) for r in rows if r["context"] == c]
+            for name, key in (("kernel", "step_ms"), ("tiles in cache", "hot_ms"), ("read floor", "floor_ms"))
+        }
+        for c in args.contexts
+    }
+    panel_plot(panels, "batch", "ms per step (30 layers)", args.out / "decode_attention.png")
+    fields = list(rows[0])
+    print("| " + " | ".join(fields) + " |\n|" + "---|" * len(fields))
+    for r in rows:
+        print("| " + " | ".join(str(v) for v in r.values()) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
