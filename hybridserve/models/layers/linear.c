@@ -465,22 +465,29 @@ typedef struct {
     float t, norm, err; /* x's scale (NaN: x not finite), |x|, |x - t qx|, the last two rounded up */
 } argmax_row;
 
+/* Candidates past which a row's exact logits cost more than its full row: a row with more is undecided. */
+static int64_t argmax_most(int64_t n) { return n / 8 > 64 ? n / 8 : 64; }
+
 /* The workspace: per thread and row of x, the lanes of its best lower bound so far; per row, every column's
- * upper bound (-inf past n), x in uint8 (qx + 128) and its argmax_row. */
+ * upper bound in float16 rounded up (-inf past n: half the bytes to write and read back of float32, and still
+ * an upper bound), room for its candidates' columns, x in uint8 (qx + 128) and its argmax_row. */
 typedef struct {
     float* lower;     /* [threads][m][16] */
-    float* upper;     /* [m][stride] */
+    uint16_t* upper;  /* [m][stride] */
+    int32_t* cand;    /* [m][most] */
     argmax_row* rows; /* [m] */
     uint8_t* xq;      /* [m][k4] */
     int64_t stride;   /* n rounded up to panel pairs */
+    int64_t most;
 } argmax_work;
 
 static argmax_work argmax_layout(void* base, int64_t m, int64_t n, int64_t threads) {
     argmax_work w;
     char* p = base;
-    w.stride = (n + 2 * QW - 1) / (2 * QW) * 2 * QW;
+    w.stride = (n + 2 * QW - 1) / (2 * QW) * 2 * QW, w.most = argmax_most(n);
     w.lower = (float*)p, p += threads * m * 16 * sizeof(float);
-    w.upper = (float*)p, p += m * w.stride * sizeof(float);
+    w.upper = (uint16_t*)p, p += m * w.stride * sizeof(uint16_t);
+    w.cand = (int32_t*)p, p += m * w.most * sizeof(int32_t);
     w.rows = (argmax_row*)p, p += m * sizeof(argmax_row);
     w.xq = (uint8_t*)p;
     return w;
@@ -490,7 +497,8 @@ static argmax_work argmax_layout(void* base, int64_t m, int64_t n, int64_t threa
 int64_t linear_argmax_workspace(int64_t m, int64_t n, int64_t k) {
     const int64_t k4 = (k + 3) / 4 * 4, threads = omp_get_max_threads();
     const int64_t stride = (n + 2 * QW - 1) / (2 * QW) * 2 * QW;
-    return (threads * m * 16 + m * stride) * (int64_t)sizeof(float) + m * (int64_t)sizeof(argmax_row) + m * k4;
+    return threads * m * 16 * (int64_t)sizeof(float) + m * stride * (int64_t)sizeof(uint16_t) +
+           m * argmax_most(n) * (int64_t)sizeof(int32_t) + m * (int64_t)sizeof(argmax_row) + m * k4;
 }
 
 /* Row r of x into w->xq (as qx + 128, for VNNI's unsigned operand) and w->rows[r]. */
@@ -549,7 +557,8 @@ static inline __attribute__((always_inline)) void argmax_tile(int mr, int64_t r0
             margin = _mm512_fmadd_ps(_mm512_set1_ps(tiny), denormals, margin);
             const __m512 spread = _mm512_add_ps(bound, margin);
             const __m512 up = _mm512_mask_add_ps(_mm512_set1_ps(-INFINITY), valid, approx, spread);
-            _mm512_store_ps(w->upper + (r0 + r) * w->stride + c, up);
+            _mm256_store_si256((__m256i*)(w->upper + (r0 + r) * w->stride + c),
+                               _mm512_cvt_roundps_ph(up, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC));
             float* lower = w->lower + (thread * m + r0 + r) * 16;
             _mm512_store_ps(lower, _mm512_mask_max_ps(_mm512_load_ps(lower), valid, _mm512_load_ps(lower),
                                                       _mm512_sub_ps(approx, spread)));
@@ -639,7 +648,6 @@ int64_t linear_argmax(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
                       int64_t meta_rows, const uint16_t* w_rows, int64_t n, void* work, int64_t* out) {
     const int64_t k4 = (k + 3) / 4 * 4, threads = omp_get_max_threads();
     const int64_t panels = (n + QW - 1) / QW, pairs = (panels + 1) / 2;
-    const int64_t most = n / 8 > 64 ? n / 8 : 64; /* candidates past which the full row is cheaper */
     const argmax_work w = argmax_layout(work, m, n, threads);
     for (int64_t i = 0; i < threads * m * 16; i++) w.lower[i] = -INFINITY;
     for (int64_t r = 0; r < m; r++) argmax_quantize(x + r * x_stride, k, k4, w.xq + r * k4, w.rows + r);
@@ -671,31 +679,26 @@ int64_t linear_argmax(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
             for (int64_t t = 0; t < threads; t++)
                 lanes = _mm512_max_ps(lanes, _mm512_load_ps(w.lower + (t * m + r) * 16));
             const __m512 lower = _mm512_set1_ps(_mm512_reduce_max_ps(lanes));
-            const float* upper = w.upper + r * w.stride;
+            const uint16_t* upper = w.upper + r * w.stride;
+            int32_t* cand = w.cand + r * w.most;
             int64_t count = 0;
-            for (int64_t v = 0; v < n; v += 16) {
-                const __mmask16 valid = first_lanes(n - v);
-                count += __builtin_popcount(
-                    _mm512_mask_cmp_ps_mask(valid, _mm512_load_ps(upper + v), lower, _CMP_GE_OQ));
+            for (int64_t v = 0; v < n && count <= w.most; v += 16) { /* the columns whose upper bound reaches it */
+                const __m512 up = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(upper + v)));
+                for (unsigned keep = _mm512_mask_cmp_ps_mask(first_lanes(n - v), up, lower, _CMP_GE_OQ); keep != 0;
+                     keep &= keep - 1)
+                    if (count++ < w.most) cand[count - 1] = (int32_t)(v + __builtin_ctz(keep));
             }
-            if (count > most) {
+            if (count > w.most) {
                 out[r] = -1, undecided++;
                 continue;
             }
             const uint16_t* row = x + r * x_stride;
-            int32_t cand[16];
             float best = -INFINITY;
             int64_t best_col = -1;
-            int nc = 0;
-            for (int64_t v = 0; v < n; v += 16) {
-                const __mmask16 valid = first_lanes(n - v);
-                for (unsigned keep = _mm512_mask_cmp_ps_mask(valid, _mm512_load_ps(upper + v), lower, _CMP_GE_OQ);
-                     keep != 0; keep &= keep - 1) {
-                    cand[nc++] = (int32_t)(v + __builtin_ctz(keep));
-                    if (nc == 16) argmax_exact_best(row, k, w_rows, cand, &nc, &best, &best_col);
-                }
+            for (int64_t i = 0; i < count; i += 16) {
+                int nc = (int)(count - i < 16 ? count - i : 16);
+                argmax_exact_best(row, k, w_rows, cand + i, &nc, &best, &best_col);
             }
-            if (nc > 0) argmax_exact_best(row, k, w_rows, cand, &nc, &best, &best_col);
             out[r] = best_col;
             if (best_col < 0) undecided++;
         }
