@@ -121,13 +121,19 @@ class ModelRunner:
                 f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is smaller than one KV block "
                 f"({self.layout.bytes_per_block} bytes)"
             )
-        paged = iter([zeroed(s.shape(self.num_blocks), s.dtype, self.device) for s in self.layout.paged_specs])
+        caches = [zeroed(s.shape(self.num_blocks), s.dtype, self.device) for s in self.layout.paged_specs]
+        paged = iter(caches)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.layout.bytes_per_block / 1024**3,
         )
+        if config.kv_cache_prefault and self.device.type == "cpu":
+            start = time.perf_counter()
+            for cache in caches:
+                cache.zero_()  # writes every page: each taken now, not at a block's first use
+            logger.info("KV cache: pages written in %.1f s (kv_cache_prefault)", time.perf_counter() - start)
         # Models with linear-attention layers: state slots, and snapshots of them for prefix hits.
         self.num_state_slots = self.num_state_snapshots = 0
         self.state_tensors: StateTensors | None = None

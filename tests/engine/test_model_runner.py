@@ -7,6 +7,8 @@ let a hybrid model resume exactly from a snapshot.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -170,3 +172,32 @@ def test_hybrid_model_resumes_exactly_from_a_snapshot_the_plan_saved(kimi_linear
     assert not torch.allclose(runner.model.compute_logits(runner.forward(wrong)), logits_a, atol=1e-3)
     runner.forward(SchedulerOutput([], finished_ids=["b", "c"]))
     runner.check_integrity()
+
+
+def _resident_bytes(t: torch.Tensor) -> tuple[int, int]:
+    """(size, resident) in bytes of the mapping that holds t's memory, from /proc/self/smaps."""
+    at, mapping = t.data_ptr(), None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                mapping = (lo, hi) if lo <= at < hi else None
+            elif mapping is not None and head == "Rss:":
+                return mapping[1] - mapping[0], int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {at:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_kv_cache_prefault_takes_every_page_at_start_up(smollm2_dir) -> None:
+    """Lazily (the default) the cache's pages are taken as blocks are first written; with kv_cache_prefault
+    every page of every layer's cache is resident before the first request."""
+    lazy = LLM(str(smollm2_dir), dtype="float32", device="cpu", block_size=BS, num_kv_blocks=256)
+    size, resident = _resident_bytes(lazy.core.runner.kv_caches[0])
+    assert resident < size // 2
+    eager = LLM(
+        str(smollm2_dir), dtype="float32", device="cpu", block_size=BS, num_kv_blocks=256, kv_cache_prefault=True
+    )
+    for cache in eager.core.runner.kv_caches:
+        size, resident = _resident_bytes(cache)
+        assert resident == size, f"{resident} of {size} bytes resident"
