@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# The engines the tests start take their KV cache's pages as used: written whole at start-up (the serving
+# default), each would cost seconds and its whole cache in memory. Set before hybridserve.config is imported,
+# for the engines in this process and in the servers it starts.
+os.environ.setdefault("HYBRIDSERVE_KV_CACHE_PREFAULT", "0")
+
 from pathlib import Path
 
 import pytest

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from hybridserve.config import EngineConfig, ExtensionConfig
+from hybridserve.config import EngineConfig, ExtensionConfig, env_bool
 from hybridserve.sampling_params import InvalidParameter
 from hybridserve.serving.parsers.reasoning import REASONING_PARSERS
 from hybridserve.serving.parsers.tools import TOOL_PARSERS
@@ -47,11 +46,11 @@ def add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
 
 
 def bool_from_env(parser: argparse.ArgumentParser, variable: str, default: bool) -> bool:
-    """$variable as a flag's default: 1 or 0; unset or empty keeps `default`; anything else is a usage error."""
-    value = os.environ.get(variable, "")
-    if value not in ("", "0", "1"):
-        parser.error(f"${variable} must be 1 or 0, got {value!r}")
-    return default if value == "" else value == "1"
+    """$variable as a flag's default (config.env_bool); a value other than 1 or 0 is a usage error."""
+    try:
+        return env_bool(variable, default)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:

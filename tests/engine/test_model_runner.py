@@ -190,9 +190,11 @@ def _resident_bytes(t: torch.Tensor) -> tuple[int, int]:
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
 def test_kv_cache_prefault_takes_every_page_at_start_up(smollm2_dir) -> None:
-    """Lazily (the default) the cache's pages are taken as blocks are first written; with kv_cache_prefault
-    every page of every layer's cache is resident before the first request."""
-    lazy = LLM(str(smollm2_dir), dtype="float32", device="cpu", block_size=BS, num_kv_blocks=256)
+    """Without kv_cache_prefault the cache's pages are taken as blocks are first written; with it (the default
+    outside the tests) every page of every layer's cache is resident before the first request."""
+    lazy = LLM(
+        str(smollm2_dir), dtype="float32", device="cpu", block_size=BS, num_kv_blocks=256, kv_cache_prefault=False
+    )
     size, resident = _resident_bytes(lazy.core.runner.kv_caches[0])
     assert resident < size // 2
     eager = LLM(
