@@ -8,6 +8,7 @@ generator across preemption)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import mmap
 import time
@@ -63,15 +64,17 @@ def choose_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool = False) -> torch.Tensor:
     """A zero-filled tensor. On CPU it is backed by an anonymous mapping, so pages cost memory only once
-    written: a large KV cache does not take its full size in RAM until the blocks are used."""
+    written: a large KV cache does not take its full size in RAM until the blocks are used. With `prefault`
+    every page is written now instead, so none is faulted in later inside a step."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = dtype.itemsize
     for dim in shape:
         nbytes *= dim
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    tensor = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    return tensor.zero_() if prefault else tensor
 
 
 class ModelRunner:
@@ -121,19 +124,16 @@ class ModelRunner:
                 f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is smaller than one KV block "
                 f"({self.layout.bytes_per_block} bytes)"
             )
-        caches = [zeroed(s.shape(self.num_blocks), s.dtype, self.device) for s in self.layout.paged_specs]
-        paged = iter(caches)
+        # The KV cache and a hybrid model's state pool: with kv_cache_prefault every page written now.
+        alloc = functools.partial(zeroed, prefault=config.kv_cache_prefault)
+        start = time.perf_counter()
+        paged = iter([alloc(s.shape(self.num_blocks), s.dtype, self.device) for s in self.layout.paged_specs])
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.layout.bytes_per_block / 1024**3,
         )
-        if config.kv_cache_prefault and self.device.type == "cpu":
-            start = time.perf_counter()
-            for cache in caches:
-                cache.zero_()  # writes every page: each taken now, not at a block's first use
-            logger.info("KV cache: pages written in %.1f s (kv_cache_prefault)", time.perf_counter() - start)
         # Models with linear-attention layers: state slots, and snapshots of them for prefix hits.
         self.num_state_slots = self.num_state_snapshots = 0
         self.state_tensors: StateTensors | None = None
@@ -147,13 +147,15 @@ class ModelRunner:
                 slots,
                 self.num_state_snapshots,
                 self.device,
-                zeroed,
+                alloc,
                 backups=config.speculative_config is not None,
             )
             states = iter(self.state_tensors.slots)
             logger.info("recurrent state: %d slots of %.2f MiB", slots, self.layout.bytes_per_state_slot / 1024**2)
             if self.num_state_snapshots:
                 logger.info("recurrent-state snapshots for prefix hits: %d", self.num_state_snapshots)
+        if config.kv_cache_prefault and self.device.type == "cpu":
+            logger.info("KV cache and state pool written at start-up in %.1f s", time.perf_counter() - start)
         # Per layer, in layer order: a paged cache tensor, or a (conv tails, states) pair of the state pool.
         self.kv_caches = [
             next(states) if isinstance(s, LinearStateSpec) else next(paged) for s in self.layout.layer_specs

@@ -203,3 +203,15 @@ def test_kv_cache_prefault_takes_every_page_at_start_up(smollm2_dir) -> None:
     for cache in eager.core.runner.kv_caches:
         size, resident = _resident_bytes(cache)
         assert resident == size, f"{resident} of {size} bytes resident"
+
+
+def test_kv_cache_prefault_writes_a_hybrid_models_state_pool_too(kimi_linear_dir) -> None:
+    """The recurrent-state slots and their snapshots come from the same allocator as the paged caches."""
+    llm = LLM(
+        str(kimi_linear_dir), dtype="float32", device="cpu", block_size=8, num_kv_blocks=16, kv_cache_prefault=True
+    )
+    state = llm.core.runner.state_tensors
+    assert state is not None and state.snapshots
+    for tensor in (t for layer in (*state.slots, *state.snapshots) for t in layer):
+        size, resident = _resident_bytes(tensor)
+        assert resident == size, f"{resident} of {size} bytes resident"
