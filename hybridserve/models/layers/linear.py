@@ -6,7 +6,8 @@ Same math as nn.Linear, the weight laid out once for the kernel instead of on ev
   AVX512-BF16, 1.3-2x oneDNN's bf16 GEMM at 1-64 rows on a CPU with AMX (benchmarks/native_kernels.py).
   Every output element is summed in one fixed order, so a row's result does not depend on its batch.
 - otherwise (no C compiler, native kernels off, bf16 without AVX512-BF16): weights pre-packed for oneDNN,
-  which is worth ~2x at batch 1 and 10-20% at batch 64 over nn.Linear.
+  which is worth ~2x at batch 1 and 10-20% at batch 64 over nn.Linear; bf16 on a CPU whose oneDNN has no bf16
+  matmul (no AVX512, no AVX-NE-CONVERT) keeps nn.Linear.
 """
 
 from __future__ import annotations
@@ -79,15 +80,17 @@ def can_pack(device: torch.device) -> bool:
 
 def pack_linears(model: nn.Module, kernels: LinearKernels | None = None) -> None:
     """Replace every nn.Linear in `model`, in place: by a NativeLinear where `kernels` are given and take the
-    weight's dtype, else by a PackedLinear. A native head (`lm_head`) returns float32 logits, its sums
-    unrounded: in bf16, logits a step apart (0.125 at 25) are near ties that rounding makes exact, and the
-    argmax would then pick the lower token id, not the larger logit. It keeps an int8 copy for argmax() too."""
+    weight's dtype, else by a PackedLinear where oneDNN takes it (bf16 needs AVX512 or AVX-NE-CONVERT; without
+    them a bf16 layer stays an nn.Linear, PyTorch's own bf16 matmul). A native head (`lm_head`) returns float32
+    logits, its sums unrounded: in bf16, logits a step apart (0.125 at 25) are near ties that rounding makes
+    exact, and the argmax would then pick the lower token id, not the larger logit. It keeps an int8 copy for
+    argmax() too."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
             if kernels is not None and child.weight.dtype in kernels.dtypes:
                 head = name == "lm_head"
                 setattr(model, name, NativeLinear(child, kernels, float_out=head, argmax=head))
-            else:
+            elif child.weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 setattr(model, name, PackedLinear(child))
         else:
             pack_linears(child, kernels)
