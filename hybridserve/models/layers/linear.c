@@ -112,6 +112,285 @@ void linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const fl
     }
 }
 
+/* The greedy head in float32: each row's argmax of x W^T, the first largest of the logits linear_f32 gives (as
+ * torch.argmax picks it), with only the few logits that could be the largest computed. The idea of the bf16
+ * head below (linear_argmax), on AVX2's integer multiply-adds:
+ *
+ * W is kept a second time in int8 (per row v a scale s_v = max |w_v| / 127) and each row of x in int16 (scale
+ * t, as many bits as k products of 127 leave room for in an int32). vpmaddwd multiplies 16 int16 pairs and adds
+ * each pair: two products a lane where an FMA has one, from a quarter of the weight's bytes. Their sums give
+ * every logit within a bound: with x = t qx + ex and w = s qw + ew,
+ *     x.w - s t qx.qw = x.ew + ex.(s qw),   so   |x.w - approx| <= |x| |ew| + |ex| (|w| + |ew|).
+ * A logit whose upper bound is below the best lower bound of its row cannot be the largest, even as float32
+ * sums it (their rounding, at most 2 (k + 2) 2^-24 |x| |w|, is in the margin). The rest, the candidates, are
+ * summed by linear_f32's own tile over a panel of their columns, so their logits are its logits bitwise.
+ * Per call: the bounds (threads split the int8 panels, each weight read once), then per row its candidates.
+ * A row with too many candidates (nearly flat logits), or a non-finite x, is reported undecided (-1): the
+ * caller computes its logits. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <float.h>
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+
+#define FQP 16  /* columns per int8 panel: two vectors of eight int32 sums */
+#define FQMR 5 /* rows of x per register tile: 10 accumulators, two weight vectors, a broadcast and a product */
+
+int64_t linear_argmax_f32_available(void) { return 1; }
+
+typedef struct {
+    float t, norm, err; /* x's scale (NaN: x not finite), |x|, |x - t qx|, the last two rounded up */
+} argmax_f32_row;
+
+/* Candidates past which a row's exact logits cost more than its full row: a row with more is undecided. */
+static int64_t argmax_f32_most(int64_t n) { return n / 8 > 64 ? n / 8 : 64; }
+
+/* The workspace: per thread and row of x, the lanes of its best lower bound so far; per row, every column's
+ * upper bound in float16 rounded up (-inf past n); room for its candidates' columns; x in int16; the rows'
+ * argmax_f32_row; per thread a panel of NR candidate columns for the exact logits. */
+typedef struct {
+    float* lower;         /* [threads][m][8] */
+    uint16_t* upper;      /* [m][stride] */
+    int32_t* cand;        /* [m][most] */
+    argmax_f32_row* rows; /* [m] */
+    int16_t* xq;          /* [m][k2 * 2] */
+    float* panels;        /* [threads][k][NR] */
+    int64_t stride, most;
+} argmax_f32_work;
+
+static argmax_f32_work argmax_f32_layout(void* base, int64_t m, int64_t n, int64_t k, int64_t threads) {
+    argmax_f32_work w;
+    char* p = base;
+    w.stride = (n + FQP - 1) / FQP * FQP, w.most = argmax_f32_most(n);
+    w.panels = (float*)p, p += threads * k * NR * sizeof(float);
+    w.lower = (float*)p, p += threads * m * 8 * sizeof(float);
+    w.upper = (uint16_t*)p, p += m * w.stride * sizeof(uint16_t);
+    w.cand = (int32_t*)p, p += m * w.most * sizeof(int32_t);
+    w.rows = (argmax_f32_row*)p, p += m * sizeof(argmax_f32_row);
+    w.xq = (int16_t*)p;
+    return w;
+}
+
+/* Bytes of workspace linear_argmax_f32 needs for m rows, n columns and inner size k. */
+int64_t linear_argmax_f32_workspace(int64_t m, int64_t n, int64_t k) {
+    const int64_t threads = omp_get_max_threads(), stride = (n + FQP - 1) / FQP * FQP, k2 = (k + 1) / 2;
+    return threads * k * NR * (int64_t)sizeof(float) + threads * m * 8 * (int64_t)sizeof(float) +
+           m * stride * (int64_t)sizeof(uint16_t) + m * argmax_f32_most(n) * (int64_t)sizeof(int32_t) +
+           m * (int64_t)sizeof(argmax_f32_row) + m * k2 * 2 * (int64_t)sizeof(int16_t);
+}
+
+/* The largest |q| a row of x rounds to: k products with |q w| <= 127 |q| sum in an int32 without overflow. */
+static int32_t argmax_f32_xmax(int64_t k2) {
+    const int64_t most = (INT32_MAX / 127) / (2 * k2);
+    return (int32_t)(most < INT16_MAX ? most : INT16_MAX);
+}
+
+/* v [k] rounded to integers of at most qmax with one scale (max |v| / qmax, returned; NaN if a value is not
+ * finite) into q8 or q16 (whichever is not NULL; [k2 * 2], zero past k); *err: |v - scale q|, *norm: |v|, both
+ * rounded up. */
+static float argmax_f32_quantize(const float* v, int64_t k, int64_t k2, int32_t qmax, int8_t* q8, int16_t* q16,
+                                 float* err, float* norm) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int64_t i = 0; i < k; i++) {
+        const float a = fabsf(v[i]);
+        if (!(a <= FLT_MAX)) finite = 0;
+        else if (a > amax) amax = a;
+    }
+    const float scale = amax / (float)qmax;
+    double e2 = 0.0, n2 = 0.0;
+    for (int64_t i = 0; i < 2 * k2; i++) {
+        const float x = i < k && finite ? v[i] : 0.0f;
+        const float r = scale > 0.0f ? nearbyintf(x / scale) : 0.0f;
+        const int32_t qi = r > (float)qmax ? qmax : r < -(float)qmax ? -qmax : (int32_t)r;
+        if (q8 != 0) q8[i] = (int8_t)qi;
+        else q16[i] = (int16_t)qi;
+        const double e = (double)x - (double)scale * qi;
+        e2 += e * e, n2 += (double)x * x;
+    }
+    *err = (float)(sqrt(e2) * (1.0 + 1e-6));
+    *norm = (float)(sqrt(n2) * (1.0 + 1e-6));
+    return finite ? scale : NAN;
+}
+
+/* w: [n, k] float32 row-major. q: [ceil(n / FQP), ceil(k / 2), FQP, 2] int8 (the k and rows past w zero); meta:
+ * [3, ceil(n / FQP) * FQP] float32: per row its scale, |w - s q| and |w| (both rounded up). Returns 0, or -1 where
+ * w holds a non-finite value. */
+int64_t linear_argmax_f32_pack(const float* w, int64_t n, int64_t k, int8_t* q, float* meta) {
+    const int64_t k2 = (k + 1) / 2, padded = (n + FQP - 1) / FQP * FQP;
+    int bad = 0;
+#pragma omp parallel for reduction(| : bad) if (n * k >= PARALLEL_MIN_WORK)
+    for (int64_t v = 0; v < padded; v++) {
+        int8_t row[2 * k2];
+        float err = 0.0f, norm = 0.0f, scale = 0.0f;
+        if (v < n) {
+            scale = argmax_f32_quantize(w + v * k, k, k2, 127, row, 0, &err, &norm);
+            bad |= !(scale == scale);
+        } else {
+            memset(row, 0, (size_t)(2 * k2));
+        }
+        int8_t* panel = q + (v / FQP) * k2 * FQP * 2;
+        for (int64_t i = 0; i < 2 * k2; i++) panel[(i / 2) * FQP * 2 + (v % FQP) * 2 + i % 2] = row[i];
+        meta[v] = scale, meta[padded + v] = err, meta[2 * padded + v] = norm;
+    }
+    return bad ? -1 : 0;
+}
+
+/* acc + the pairwise products of a and b (int16, summed a pair a lane), in place: with the intrinsics GCC moves
+ * every accumulator to another register and back each step, and spills some. */
+static inline __attribute__((always_inline)) __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
+    __m256i t;
+    __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(a), "x"(b));
+    return acc;
+}
+
+/* The bounds of rows r0 .. r0 + mr - 1 against one int8 panel (columns col ..): their upper bounds stored,
+ * their lower bounds into this thread's best. */
+static inline __attribute__((always_inline)) void argmax_f32_tile(int mr, int64_t r0, int64_t m, const int8_t* panel,
+                                                                  int64_t k, int64_t k2, const float* meta,
+                                                                  int64_t padded, int64_t col, int64_t n,
+                                                                  const argmax_f32_work* w, int thread) {
+    __m256i acc[FQMR][2];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const int16_t* xq = w->xq + r0 * 2 * k2;
+    for (int64_t i = 0; i < k2; i++) {
+        const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(panel + i * FQP * 2)));
+        const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(panel + i * FQP * 2 + 16)));
+        for (int r = 0; r < mr; r++) {
+            int32_t two;
+            memcpy(&two, xq + r * 2 * k2 + 2 * i, sizeof two);
+            const __m256i a = _mm256_set1_epi32(two);
+            acc[r][0] = madd_add(acc[r][0], a, b0);
+            acc[r][1] = madd_add(acc[r][1], a, b1);
+        }
+    }
+    const float gamma = 2.0f * (float)(k + 2) * 0x1p-24f, tiny = (float)k * 0x1p-126f;
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int h = 0; h < 2; h++) {
+        const int64_t c = col + h * 8;
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - c < 8 ? n - c : 8)), lanes));
+        const __m256 s = _mm256_loadu_ps(meta + c), ew = _mm256_loadu_ps(meta + padded + c);
+        const __m256 nw = _mm256_loadu_ps(meta + 2 * padded + c);
+        for (int r = 0; r < mr; r++) {
+            const argmax_f32_row* row = w->rows + r0 + r;
+            if (!(row->t == row->t)) continue; /* x not finite: undecided */
+            const __m256 hn = _mm256_set1_ps(row->norm), eh = _mm256_set1_ps(row->err);
+            const __m256 approx = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_mul_ps(s, _mm256_set1_ps(row->t)));
+            const __m256 bound = _mm256_fmadd_ps(hn, ew, _mm256_mul_ps(eh, _mm256_add_ps(nw, ew)));
+            __m256 margin = _mm256_mul_ps(_mm256_set1_ps(1e-5f), _mm256_add_ps(_mm256_and_ps(approx, abs_mask), bound));
+            margin = _mm256_fmadd_ps(_mm256_set1_ps(gamma), _mm256_mul_ps(hn, nw), margin);
+            const __m256 denormals = _mm256_add_ps(_mm256_add_ps(hn, nw), _mm256_set1_ps(1.0f)); /* flushed */
+            margin = _mm256_fmadd_ps(_mm256_set1_ps(tiny), denormals, margin);
+            const __m256 spread = _mm256_add_ps(bound, margin);
+            const __m256 up = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_add_ps(approx, spread), valid);
+            _mm_storeu_si128((__m128i*)(w->upper + (r0 + r) * w->stride + c),
+                             _mm256_cvtps_ph(up, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC));
+            float* lower = w->lower + (thread * m + r0 + r) * 8;
+            const __m256 low = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_sub_ps(approx, spread), valid);
+            _mm256_storeu_ps(lower, _mm256_max_ps(_mm256_loadu_ps(lower), low));
+        }
+    }
+}
+
+static void argmax_f32_tile_rows(int mr, int64_t r0, int64_t m, const int8_t* panel, int64_t k, int64_t k2,
+                                 const float* meta, int64_t padded, int64_t col, int64_t n, const argmax_f32_work* w,
+                                 int thread) {
+    switch (mr) {
+#define ROWS(rows) \
+    case rows: argmax_f32_tile(rows, r0, m, panel, k, k2, meta, padded, col, n, w, thread); break;
+        ROWS(5) ROWS(4) ROWS(3) ROWS(2)
+#undef ROWS
+        default: argmax_f32_tile(1, r0, m, panel, k, k2, meta, padded, col, n, w, thread); break;
+    }
+}
+
+/* The exact logits of row x at the nc (<= NR) columns cand: their weight rows copied into a panel as
+ * linear_pack_f32 lays one out and summed by linear_f32's own tile, so bitwise its logits; folded into the
+ * running best: the first largest, ties to the lower column. */
+static void argmax_f32_exact_best(const float* x, int64_t k, const float* w, const int32_t* cand, int nc,
+                                  float* panel, float* best, int64_t* best_col) {
+    for (int j = 0; j < NR; j++) {
+        const float* row = w + (int64_t)cand[j < nc ? j : 0] * k;
+        for (int64_t i = 0; i < k; i++) panel[i * NR + j] = row[i];
+    }
+    float exact[NR];
+    tile(1, x, k, panel, k, 0, exact, NR, NR);
+    for (int j = 0; j < nc; j++)
+        if (exact[j] > *best || (exact[j] == *best && cand[j] < *best_col)) *best = exact[j], *best_col = cand[j];
+}
+
+/* out[r]: the argmax over columns 0 .. n - 1 of x's row r times W (q, meta: linear_argmax_f32_pack's of W's
+ * first n or more rows, meta_rows its padded row count; w: W itself, [n, k] row-major), or -1 where undecided.
+ * work: linear_argmax_f32_workspace(m, n, k) bytes, 32-byte aligned. Returns the number of rows undecided. */
+int64_t linear_argmax_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const int8_t* q, const float* meta,
+                          int64_t meta_rows, const float* w_rows, int64_t n, void* work, int64_t* out) {
+    const int64_t k2 = (k + 1) / 2, threads = omp_get_max_threads(), panels = (n + FQP - 1) / FQP;
+    const argmax_f32_work w = argmax_f32_layout(work, m, n, k, threads);
+    const int32_t qmax = argmax_f32_xmax(k2);
+    for (int64_t i = 0; i < threads * m * 8; i++) w.lower[i] = -INFINITY;
+    for (int64_t r = 0; r < m; r++) {
+        argmax_f32_row* row = w.rows + r;
+        row->t = argmax_f32_quantize(x + r * x_stride, k, k2, qmax, 0, w.xq + r * 2 * k2, &row->err, &row->norm);
+    }
+    const int64_t tiles = (m + FQMR - 1) / FQMR, base = m / tiles, extra = m % tiles;
+    int64_t undecided = 0;
+#pragma omp parallel reduction(+ : undecided)
+    {
+        const int thread = omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            for (int64_t t = 0, r = 0; t < tiles; t++) {
+                const int mr = (int)(base + (t < extra));
+                argmax_f32_tile_rows(mr, r, m, q + p * k2 * FQP * 2, k, k2, meta, meta_rows, p * FQP, n, &w, thread);
+                r += mr;
+            }
+        }
+        /* the implicit barrier: every bound is in */
+        float* panel = w.panels + thread * k * NR;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < m; r++) {
+            if (!(w.rows[r].t == w.rows[r].t)) { /* x not finite */
+                out[r] = -1, undecided++;
+                continue;
+            }
+            __m256 lanes = _mm256_set1_ps(-INFINITY);
+            for (int64_t t = 0; t < threads; t++) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(w.lower + (t * m + r) * 8));
+            float most_low[8];
+            _mm256_storeu_ps(most_low, lanes);
+            float low = most_low[0];
+            for (int j = 1; j < 8; j++) low = most_low[j] > low ? most_low[j] : low;
+            const __m256 lower = _mm256_set1_ps(low);
+            const uint16_t* upper = w.upper + r * w.stride;
+            int32_t* cand = w.cand + r * w.most;
+            int64_t count = 0;
+            for (int64_t v = 0; v < n && count <= w.most; v += 8) { /* the columns whose upper bound reaches it */
+                const __m256 up = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(upper + v)));
+                unsigned keep = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(up, lower, _CMP_GE_OQ));
+                if (n - v < 8) keep &= (1u << (n - v)) - 1;
+                for (; keep != 0; keep &= keep - 1)
+                    if (count++ < w.most) cand[count - 1] = (int32_t)(v + __builtin_ctz(keep));
+            }
+            if (count > w.most) {
+                out[r] = -1, undecided++;
+                continue;
+            }
+            const float* row = x + r * x_stride;
+            float best = -INFINITY;
+            int64_t best_col = -1;
+            for (int64_t i = 0; i < count; i += NR)
+                argmax_f32_exact_best(row, k, w_rows, cand + i, (int)(count - i < NR ? count - i : NR), panel, &best,
+                                      &best_col);
+            out[r] = best_col;
+            if (best_col < 0) undecided++;
+        }
+    }
+    return undecided;
+}
+#else
+int64_t linear_argmax_f32_available(void) { return 0; } /* no AVX2 with FMA and F16C here */
+#endif
+
 /* bfloat16: the same panels and tile, summed with the CPU's bf16 dot-product instruction (AVX512-BF16), which
  * multiplies pairs of bf16 along k and adds both products to a float32 accumulator. A panel holds NRB columns
  * as [ceil(k / 2)][NRB][2]: per pair of k, two vectors of 16 (column, k pair) elements. Rows accumulate in

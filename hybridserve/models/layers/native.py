@@ -244,11 +244,24 @@ class LinearKernels:
         if torch.bfloat16 in self.panel_width:
             self._pack[torch.bfloat16] = _function(lib, "linear_pack_bf16", [_P, _I, _I, _P])
             self._linear[torch.bfloat16] = _function(lib, "linear_bf16", [_P, _I, _I, _I, _P, _I, _P, _P, _I])
-        self._argmax_available = _function(lib, "linear_argmax_available", [_I], _I)
-        if self._argmax_available(1):
-            self._argmax_pack = _function(lib, "linear_argmax_pack", [_P, _I, _I, _P, _P], _I)
-            self._argmax_workspace = _function(lib, "linear_argmax_workspace", [_I, _I, _I], _I)
-            self._argmax = _function(lib, "linear_argmax", [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P], _I)
+        # the greedy head (argmax): bf16 with AVX512-VNNI, float32 with AVX2 (FMA, F16C); per dtype, its
+        # functions: pack, workspace, argmax
+        bf16_available = _function(lib, "linear_argmax_available", [_I], _I)
+        self._argmax_bf16_takes = lambda k: bool(bf16_available(k))
+        self._argmax: dict[torch.dtype, tuple[Callable[..., int], ...]] = {}
+        argmax_args = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P]
+        if bf16_available(1):
+            self._argmax[torch.bfloat16] = (
+                _function(lib, "linear_argmax_pack", [_P, _I, _I, _P, _P], _I),
+                _function(lib, "linear_argmax_workspace", [_I, _I, _I], _I),
+                _function(lib, "linear_argmax", argmax_args, _I),
+            )
+        if _function(lib, "linear_argmax_f32_available", [], _I)():
+            self._argmax[torch.float32] = (
+                _function(lib, "linear_argmax_f32_pack", [_P, _I, _I, _P, _P], _I),
+                _function(lib, "linear_argmax_f32_workspace", [_I, _I, _I], _I),
+                _function(lib, "linear_argmax_f32", argmax_args, _I),
+            )
         self._argmax_work = torch.empty(0, dtype=torch.uint8)
 
     @property
@@ -300,25 +313,32 @@ class LinearKernels:
         return y
 
     def can_argmax(self, weight: torch.Tensor) -> bool:
-        """Whether argmax takes this bf16 weight [N, K]: with AVX512-VNNI, where linear() sums it with
+        """Whether argmax takes this weight [N, K]: bf16 with AVX512-VNNI, where linear() sums it with
         AVX512-BF16 (not on AMX's tiles, whose order argmax's exact logits do not follow), and small enough for
-        the 32-bit word offsets its candidates' rows are gathered by."""
-        if weight.dtype != torch.bfloat16 or torch.bfloat16 not in self.panel_width or weight.dim() != 2:
+        the 32-bit word offsets its candidates' rows are gathered by; float32 with AVX2, FMA and F16C."""
+        if weight.dtype not in self._argmax or weight.dtype not in self.panel_width or weight.dim() != 2:
             return False
         n, k = weight.shape
-        return bool(self._argmax_available(k)) and n * -(-k // 2) < 2**31
+        if weight.dtype == torch.float32:
+            return k > 0
+        return self._argmax_bf16_takes(k) and n * -(-k // 2) < 2**31
 
     def pack_argmax(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int8 copy of a bf16 weight [N, K] that argmax bounds its logits with: panels of 16 rows, whole
-        pairs of them, [ceil(N / 32) * 2, ceil(K / 4), 16, 4], and per row its scale, error norm, norm and sum
-        [4, ceil(N / 32) * 32]."""
+        """The int8 copy of a weight [N, K] that argmax bounds its logits with, and per row its scale, error norm
+        and norm (bf16: and the sum of its int8 values). bf16: panels of 16 rows, whole pairs of them,
+        [ceil(N / 32) * 2, ceil(K / 4), 16, 4], meta [4, ceil(N / 32) * 32]; float32: panels of 16 rows in pairs
+        of K, [ceil(N / 16), ceil(K / 2), 16, 2], meta [3, ceil(N / 16) * 16]."""
         if not self.can_argmax(weight):
             raise ValueError(f"argmax cannot take the weight {weight.dtype} {tuple(weight.shape)} on this CPU")
         weight = weight.contiguous()
         n, k = weight.shape
-        q = torch.empty((-(-n // 32) * 2, -(-k // 4), 16, 4), dtype=torch.int8)
-        meta = torch.empty((4, q.shape[0] * 16), dtype=torch.float32)
-        if self._argmax_pack(weight.data_ptr(), n, k, q.data_ptr(), meta.data_ptr()) != 0:
+        if weight.dtype == torch.float32:
+            q = torch.empty((-(-n // 16), -(-k // 2), 16, 2), dtype=torch.int8)
+            meta = torch.empty((3, q.shape[0] * 16), dtype=torch.float32)
+        else:
+            q = torch.empty((-(-n // 32) * 2, -(-k // 4), 16, 4), dtype=torch.int8)
+            meta = torch.empty((4, q.shape[0] * 16), dtype=torch.float32)
+        if self._argmax[weight.dtype][0](weight.data_ptr(), n, k, q.data_ptr(), meta.data_ptr()) != 0:
             raise ValueError(f"the weight {tuple(weight.shape)} holds a non-finite value: its logits have no bound")
         return q, meta
 
@@ -328,28 +348,31 @@ class LinearKernels:
         """Each row's argmax over the first n columns of linear(x, pack(weight), ..., float_out=True) (the first
         largest), as int64, with only the logits that could be the largest computed, bitwise as linear() sums
         them; -1 for a row it cannot tell so cheaper than the full row (a non-finite x, or an eighth of the
-        columns candidates: nearly flat logits). x: [M, K] bf16, rows contiguous; weight: [N, K] bf16 contiguous
-        (n <= N); q, meta: pack_argmax(weight)."""
+        columns candidates: nearly flat logits). x: [M, K] of the weight's dtype, rows contiguous; weight: [N, K]
+        contiguous (n <= N); q, meta: pack_argmax(weight)."""
         m, k = x.shape
+        k_per_row = 2 if weight.dtype == torch.float32 else 4  # the int8 copy holds K in pairs or fours
         if (
-            x.dtype != torch.bfloat16
+            x.dtype != weight.dtype
+            or weight.dtype not in self._argmax
             or x.stride(1) != 1
             or weight.shape[1] != k
             or not weight.is_contiguous()
-            or q.shape[1] != -(-k // 4)
+            or q.shape[1] != -(-k // k_per_row)
             or not 0 < n <= weight.shape[0]
         ):
             raise ValueError(
-                f"argmax needs bf16 rows [M, K] of the weight's K and 0 < n <= its rows, got {x.dtype} "
-                f"{tuple(x.shape)} strides {x.stride()}, n {n}, weight {tuple(weight.shape)}"
+                f"argmax needs rows [M, K] of the weight's dtype and K and 0 < n <= its rows, got {x.dtype} "
+                f"{tuple(x.shape)} strides {x.stride()}, n {n}, weight {weight.dtype} {tuple(weight.shape)}"
             )
         out = torch.empty(m, dtype=torch.int64)
         if m:
-            size = self._argmax_workspace(m, n, k)
+            _, workspace, argmax = self._argmax[weight.dtype]
+            size = workspace(m, n, k)
             if self._argmax_work.numel() < size:
                 self._argmax_work = torch.empty(size, dtype=torch.uint8)
             args = [x.data_ptr(), x.stride(0), m, k, q.data_ptr(), meta.data_ptr(), meta.shape[1], weight.data_ptr()]
-            self._argmax(*args, n, self._argmax_work.data_ptr(), out.data_ptr())
+            argmax(*args, n, self._argmax_work.data_ptr(), out.data_ptr())
         return out
 
 
