@@ -165,12 +165,13 @@ def _prefill_reference(q, cache, table, context_len):
     return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1)
 
 
-@pytest.fixture(scope="module")
-def prefill_kernel() -> native.PagedAttention:
-    """The default model's attention kernels, where they prefill natively (bf16 dot products)."""
-    kernel = load_paged_attention(torch.bfloat16, 64, 16, 3)
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def prefill_kernel(request: pytest.FixtureRequest) -> native.PagedAttention:
+    """The default model's attention kernels, where they prefill natively (bf16: its dot products; float32: any
+    CPU, 16-token blocks)."""
+    kernel = load_paged_attention(request.param, 64, 16, 3)
     if not kernel.prefills:
-        pytest.skip("native prefill needs AVX512-BF16")
+        pytest.skip("native bf16 prefill needs AVX512-BF16")
     return kernel
 
 
@@ -179,22 +180,24 @@ def prefill_kernel() -> native.PagedAttention:
 )
 def test_prefill_matches_float64_reference(prefill_kernel, context_len, n):
     """Chunks from the start and after a prefix, on and around block boundaries, scattered blocks, queries
-    strided as the model hands them over: within a bf16 step of exact causal attention."""
+    strided as the model hands them over: within a step of the dtype of exact causal attention."""
+    dtype = prefill_kernel.dtype
     gen = torch.Generator().manual_seed(context_len * 1000 + n)
-    cache = torch.randn(2, 3, 64, 16, 64, generator=gen).bfloat16()
+    cache = torch.randn(2, 3, 64, 16, 64, generator=gen).to(dtype)
     table = torch.randperm(64, generator=gen)[: -(-(context_len + n) // 16)].contiguous()
-    qkv = torch.randn(n, 9 + 6, 64, generator=gen).bfloat16()
+    qkv = torch.randn(n, 9 + 6, 64, generator=gen).to(dtype)
     out = prefill_kernel.prefill(qkv[:, :9], cache, table, context_len, 64**-0.5)
     ref = _prefill_reference(qkv[:, :9], cache, table, context_len)
-    assert out.dtype == torch.bfloat16 and out.shape == (n, 9, 64)
-    torch.testing.assert_close(out.double(), ref.bfloat16().double(), atol=1.5e-2, rtol=1.5e-2)
+    assert out.dtype == dtype and out.shape == (n, 9, 64)
+    tol = 1.5e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), ref.to(dtype).double(), atol=tol, rtol=tol)
 
 
 def test_prefill_in_chunks_equals_the_whole_prefill_bit_for_bit(prefill_kernel):
     gen = torch.Generator().manual_seed(3)
-    cache = torch.randn(2, 3, 32, 16, 64, generator=gen).bfloat16()
+    cache = torch.randn(2, 3, 32, 16, 64, generator=gen).to(prefill_kernel.dtype)
     table = torch.randperm(32, generator=gen)[:19].contiguous()
-    q = torch.randn(300, 9, 64, generator=gen).bfloat16()
+    q = torch.randn(300, 9, 64, generator=gen).to(prefill_kernel.dtype)
     whole = prefill_kernel.prefill(q, cache, table, 0, 0.125)
     chunks = [
         prefill_kernel.prefill(q[a:b], cache, table, a, 0.125) for a, b in ((0, 37), (37, 160), (160, 299), (299, 300))
@@ -202,14 +205,29 @@ def test_prefill_in_chunks_equals_the_whole_prefill_bit_for_bit(prefill_kernel):
     assert torch.equal(torch.cat(chunks), whole)
 
 
+def test_prefill_ignores_what_the_cache_holds_past_the_context(prefill_kernel):
+    """Stale keys and values past the request's tokens (another request's, or NaN) never reach its outputs."""
+    dtype = prefill_kernel.dtype
+    gen = torch.Generator().manual_seed(9)
+    cache = torch.randn(2, 3, 4, 16, 64, generator=gen).to(dtype)
+    q = torch.randn(21, 9, 64, generator=gen).to(dtype)
+    table = torch.tensor([2, 0])
+    clean = prefill_kernel.prefill(q, cache, table, 0, 0.125)
+    cache[:, :, 0, 5:] = float("nan")  # the second block's positions 21.. are past the 21 tokens
+    assert torch.equal(prefill_kernel.prefill(q, cache, table, 0, 0.125), clean)
+    assert not clean.isnan().any()
+
+
 def test_prefill_refuses_a_block_table_too_short(prefill_kernel):
-    cache = torch.zeros(2, 3, 4, 16, 64, dtype=torch.bfloat16)
+    dtype = prefill_kernel.dtype
+    cache = torch.zeros(2, 3, 4, 16, 64, dtype=dtype)
     with pytest.raises(ValueError, match=r"block table of 2 blocks cannot hold 20 \+ 13 tokens of a prefill"):
-        prefill_kernel.prefill(torch.zeros(13, 9, 64, dtype=torch.bfloat16), cache, torch.tensor([0, 1]), 20, 0.125)
+        prefill_kernel.prefill(torch.zeros(13, 9, 64, dtype=dtype), cache, torch.tensor([0, 1]), 20, 0.125)
 
 
-def test_native_prefill_only_with_bf16_dot_products_and_16_token_blocks():
-    assert not load_paged_attention(torch.float32, 64, 16, 3).prefills
+def test_native_prefill_with_16_token_blocks_in_float32_and_with_bf16_dot_products_in_bf16():
+    assert load_paged_attention(torch.float32, 64, 16, 3).prefills
+    assert not load_paged_attention(torch.float32, 64, 32, 3).prefills
     assert not load_paged_attention(torch.bfloat16, 64, 16, 3, portable=True).prefills
     assert not load_paged_attention(torch.bfloat16, 64, 32, 3).prefills
     assert (

@@ -6,10 +6,10 @@ with one new token (decodes) are attended to together in one batched call; a mul
 (prefill) gets its own call, attending straight to its fresh keys when it has no cached context.
 
 With native kernels (native.py, loaded by the model runner on CPU) decodes read the blocks in place, and
-the layer rotates queries and keys and writes the cache in the same pass (`rope_and_cache`); in bfloat16 on
-CPUs with AVX512-BF16 prefill chunks read their keys from the cache in place too, whole or after cached
-context alike. Otherwise decodes gather their blocks into a dense buffer for stock matmuls (CUDA, or no
-compiler), and prefills use SDPA.
+the layer rotates queries and keys and writes the cache in the same pass (`rope_and_cache`); with 16-token
+blocks, in float32 on any CPU and in bfloat16 on CPUs with AVX512-BF16, prefill chunks read their keys from the
+cache in place too, whole or after cached context alike. Otherwise decodes gather their blocks into a dense
+buffer for stock matmuls (CUDA, or no compiler), and prefills use SDPA.
 """
 
 from __future__ import annotations

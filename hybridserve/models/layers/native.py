@@ -62,10 +62,13 @@ class PagedAttention:
         self._rope_write_kv = _function(lib, f"rope_write_kv_{name}", [_P, _I, _I, _I, _I, _P, _P, _P, _I, _P])
         # Whether bfloat16 key scores use the CPU's bf16 dot-product instructions (AVX512-BF16).
         self.bf16_dot = dtype == torch.bfloat16 and bool(_function(lib, "paged_decode_bf16_dot", [], ctypes.c_int)())
-        # Whether prefill chunks attend natively too (bfloat16 dot products, 16-token blocks); else SDPA.
-        self.prefills = self.bf16_dot and bool(_function(lib, "paged_prefill_available", [], ctypes.c_int)())
+        # Whether prefill chunks attend natively too (16-token blocks; bfloat16 with its dot products); else SDPA.
+        if dtype == torch.bfloat16:
+            self.prefills = self.bf16_dot and bool(_function(lib, "paged_prefill_available", [], ctypes.c_int)())
+        else:
+            self.prefills = bool(_function(lib, "paged_prefill_f32_available", [], ctypes.c_int)())
         if self.prefills:
-            self._prefill = _function(lib, "paged_prefill_bf16", [_P, _I, _P, _I, _P, _I, _I, _P, _I, _I, _F], _I)
+            self._prefill = _function(lib, f"paged_prefill_{name}", [_P, _I, _P, _I, _P, _I, _I, _P, _I, _I, _F], _I)
 
     def _check(self, q_heads: int, cache: torch.Tensor) -> None:
         if q_heads != self.group * cache.shape[1] or cache.shape[3:] != (self.block_size, self.head_dim):

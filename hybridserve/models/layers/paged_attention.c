@@ -665,3 +665,137 @@ int paged_prefill_available(void) {
     return 0;
 #endif
 }
+
+/* Causal prefill attention in float32 over the paged cache, for any CPU (GCC's vector extensions, as wide as the
+ * target's registers: 8 floats with AVX2, 16 with AVX-512). The bf16 kernel's plan, in float32 FMAs: every block
+ * the chunk sees has its keys transposed once per KV head into [HEAD_DIM][16 keys], so a query's 16 scores against
+ * the block are summed over the dimensions in order, one or two vectors; a work item is PREFILL_F32_ROWS query
+ * tokens of one KV head, GROUP query vectors each, SCORE_F32_TILE of them sharing each key vector (linear.c's
+ * register tile); the values are read in place, the visible keys only. Online softmax and the sums in float32, as
+ * in decode. A query's result does not depend on the chunk or the item it falls in: every query walks the same
+ * blocks in the same order, so chunked and whole prefills agree bit for bit. Returns 0, or -1 when the transposed
+ * keys found no memory. */
+#if BLOCK_SIZE == 16
+#include <stdlib.h>
+#define PREFILL_F32 1
+#define PREFILL_F32_ROWS 16
+#define VECTORS_F32 (PREFILL_F32_ROWS * GROUP)
+#if defined(__AVX512F__)
+#define FW 16
+#define SCORE_F32_TILE 12 /* query vectors scored together: their sums, a key vector and a broadcast */
+#else
+#define FW 8
+#define SCORE_F32_TILE 6 /* 12 accumulators (two vectors of keys each), the two key vectors and a broadcast */
+#endif
+#define KEY_VECTORS (BLOCK_SIZE / FW)
+
+typedef float fvec __attribute__((vector_size(FW * sizeof(float)), aligned(sizeof(float))));
+typedef float keys_f32[HEAD_DIM][BLOCK_SIZE]; /* one block's keys, dimensions x keys; past the context: zeros */
+
+/* The online softmax step of one query vector over one block: its raw scores s (key t at s[t]), the first
+ * `visible` keys seen; the block's values [BLOCK_SIZE][HEAD_DIM] in place. */
+static inline void attend_block_f32(const float* s, int visible, const float* values, float scale, float* acc,
+                                    float* run_max, float* run_sum) {
+    float p[BLOCK_SIZE];
+    float block_max = *run_max;
+    for (int t = 0; t < visible; t++) block_max = s[t] * scale > block_max ? s[t] * scale : block_max;
+    const float rescale = exp_approx(*run_max - block_max);
+    float sum = 0.0f;
+    for (int t = 0; t < BLOCK_SIZE; t++) p[t] = exp_approx(s[t] * scale - block_max);
+    for (int t = 0; t < visible; t++) sum += p[t];
+    *run_max = block_max;
+    *run_sum = *run_sum * rescale + sum;
+    fvec a[HEAD_DIM / FW];
+    for (int c = 0; c < HEAD_DIM / FW; c++) a[c] = *(const fvec*)(acc + FW * c) * rescale;
+    for (int t = 0; t < visible; t++)
+        for (int c = 0; c < HEAD_DIM / FW; c++) a[c] += p[t] * *(const fvec*)(values + t * HEAD_DIM + FW * c);
+    for (int c = 0; c < HEAD_DIM / FW; c++) *(fvec*)(acc + FW * c) = a[c];
+}
+
+/* The raw scores s[r][t] of the query vectors tile[0 .. SCORE_F32_TILE) against one block's transposed keys. */
+static inline void score_block_f32(const float* const* tile, const keys_f32* kt, float (*s)[BLOCK_SIZE]) {
+    fvec acc[SCORE_F32_TILE][KEY_VECTORS];
+    for (int r = 0; r < SCORE_F32_TILE; r++)
+        for (int c = 0; c < KEY_VECTORS; c++) acc[r][c] = (fvec){0};
+    for (int d = 0; d < HEAD_DIM; d++) {
+        fvec k[KEY_VECTORS];
+        for (int c = 0; c < KEY_VECTORS; c++) k[c] = *(const fvec*)((*kt)[d] + FW * c);
+        for (int r = 0; r < SCORE_F32_TILE; r++) {
+            const float a = tile[r][d];
+            for (int c = 0; c < KEY_VECTORS; c++) acc[r][c] += a * k[c];
+        }
+    }
+    for (int r = 0; r < SCORE_F32_TILE; r++)
+        for (int c = 0; c < KEY_VECTORS; c++) *(fvec*)(s[r] + FW * c) = acc[r][c];
+}
+
+int paged_prefill_f32(const float* q, int64_t q_stride, const float* cache, int64_t num_blocks, const int64_t* table,
+                      int64_t pos0, int64_t n, float* out, int64_t q_heads, int64_t kv_heads, float scale) {
+    const int64_t head_stride = num_blocks * BLOCK_SIZE * HEAD_DIM;
+    const int64_t row_blocks = (n + PREFILL_F32_ROWS - 1) / PREFILL_F32_ROWS;
+    const int64_t context = pos0 + n, blocks = (context + BLOCK_SIZE - 1) / BLOCK_SIZE;
+    keys_f32* keys = aligned_alloc(64, (size_t)(blocks * kv_heads) * sizeof(keys_f32));
+    if (keys == 0) return -1;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < blocks * kv_heads; i++) {
+            const int64_t h = i / blocks, j = i % blocks, start = j * BLOCK_SIZE;
+            const int nk = context - start < BLOCK_SIZE ? (int)(context - start) : BLOCK_SIZE;
+            const float* kb = cache + h * head_stride + table[j] * BLOCK_SIZE * HEAD_DIM;
+            for (int d = 0; d < HEAD_DIM; d++)
+                for (int t = 0; t < BLOCK_SIZE; t++) keys[i][d][t] = t < nk ? kb[t * HEAD_DIM + d] : 0.0f;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < row_blocks * kv_heads; item++) {
+            /* The last rows see the most keys: they go first, so the threads end together. */
+            const int64_t i0 = (row_blocks - 1 - item / kv_heads) * PREFILL_F32_ROWS, h = item % kv_heads;
+            const int rows = n - i0 < PREFILL_F32_ROWS ? (int)(n - i0) : PREFILL_F32_ROWS, nv = rows * GROUP;
+            const int64_t last = pos0 + i0 + rows - 1; /* the item's last query position: keys up to it */
+            float acc[VECTORS_F32][HEAD_DIM] __attribute__((aligned(64)));
+            float run_max[VECTORS_F32], run_sum[VECTORS_F32];
+            const float* qv[VECTORS_F32]; /* query vector v: row v / GROUP, head h * GROUP + v % GROUP */
+            for (int v = 0; v < nv; v++) {
+                qv[v] = q + (i0 + v / GROUP) * q_stride + (h * GROUP + v % GROUP) * HEAD_DIM;
+                run_max[v] = -INFINITY;
+                run_sum[v] = 0.0f;
+                for (int d = 0; d < HEAD_DIM; d++) acc[v][d] = 0.0f;
+            }
+            for (int64_t start = 0, j = 0; start <= last; start += BLOCK_SIZE, j++) {
+                const keys_f32* kt = keys + h * blocks + j;
+                const float* values = cache + (kv_heads + h) * head_stride + table[j] * BLOCK_SIZE * HEAD_DIM;
+                for (int v0 = 0; v0 < nv; v0 += SCORE_F32_TILE) {
+                    const int nt = nv - v0 < SCORE_F32_TILE ? nv - v0 : SCORE_F32_TILE;
+                    const float* tile[SCORE_F32_TILE]; /* past nt: the tile's last vector again */
+                    for (int r = 0; r < SCORE_F32_TILE; r++) tile[r] = qv[v0 + (r < nt ? r : nt - 1)];
+                    float s[SCORE_F32_TILE][BLOCK_SIZE] __attribute__((aligned(64)));
+                    score_block_f32(tile, kt, s);
+                    for (int r = 0; r < nt; r++) {
+                        const int v = v0 + r;
+                        const int64_t seen = pos0 + i0 + v / GROUP + 1 - start; /* keys t < seen of the block */
+                        if (seen <= 0) continue; /* the block is past this query */
+                        attend_block_f32(s[r], seen < BLOCK_SIZE ? (int)seen : BLOCK_SIZE, values, scale, acc[v],
+                                         run_max + v, run_sum + v);
+                    }
+                }
+            }
+            for (int v = 0; v < nv; v++) {
+                float* dst = out + ((i0 + v / GROUP) * q_heads + h * GROUP + v % GROUP) * HEAD_DIM;
+                const float inv = 1.0f / run_sum[v];
+                for (int d = 0; d < HEAD_DIM; d++) dst[d] = acc[v][d] * inv;
+            }
+        }
+    }
+    free(keys);
+    return 0;
+}
+#endif
+
+/* Whether paged_prefill_f32 was built (16-token blocks): 1 yes. */
+int paged_prefill_f32_available(void) {
+#ifdef PREFILL_F32
+    return 1;
+#else
+    return 0;
+#endif
+}
