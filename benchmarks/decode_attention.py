@@ -1,14 +1,16 @@
 """Decode attention: the native kernel over a whole step's layers, against the machine's read bandwidth.
 
     python -m benchmarks.decode_attention [--batches 1,8,32,64] [--contexts 116,200,600] [--repeats 20]
+        [--dtype auto|bfloat16|float32]
 
 For each batch B and context L, the default model's decode attention (30 layers of 9 query heads over 3 KV
-heads, head_dim 64, 16-token blocks, bf16) as a step has it: one cache per layer, each request's blocks
+heads, head_dim 64, 16-token blocks, in the engine's dtype: bf16 where the CPU has native bf16 matmuls, else
+float32) as a step has it: one cache per layer, each request's blocks
 scattered over it (a random permutation), the query rows strided as the QKV projection leaves them. Timed:
 - `step_ms`: the 30 layers' `decode` calls, the median of `--repeats`;
 - `hot_ms`: the same calls with every request's table cycling through the same HOT_BLOCKS blocks, so the same
   arithmetic runs on keys and values already in L1/L2: what the kernel costs with no memory traffic;
-- `floor_ms`: the keys and values a step reads (B x L x 3 heads x 2 x 64 x 2 bytes x 30) over the streaming
+- `floor_ms`: the keys and values a step reads (B x L x 3 heads x 2 x 64 x 2 or 4 bytes x 30) over the streaming
   read bandwidth measured in the same run (`roofline.measure`), and `distance` = step_ms / floor_ms.
 Writes <out>/decode_attention.csv and .png and prints a markdown table; progress goes to stderr.
 """
@@ -22,21 +24,24 @@ import torch
 
 from benchmarks.report import median_s, panel_plot, say, write_csv
 from hybridserve.engine import roofline
+from hybridserve.engine.model_runner import choose_dtype
 from hybridserve.models.layers.native import load_paged_attention
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 HOT_BLOCKS = 4  # the blocks every hot table cycles through
 
 
-def row(batch: int, context: int, repeats: int, read_gb_s: float, gen: torch.Generator) -> dict[str, object]:
-    kernel = load_paged_attention(torch.bfloat16, HEAD_DIM, BLOCK, Q_HEADS // KV_HEADS)
+def row(
+    batch: int, context: int, repeats: int, read_gb_s: float, gen: torch.Generator, dtype: torch.dtype
+) -> dict[str, object]:
+    kernel = load_paged_attention(dtype, HEAD_DIM, BLOCK, Q_HEADS // KV_HEADS)
     per_request = -(-context // BLOCK)
     num_blocks = batch * per_request
-    caches = [torch.randn(2, KV_HEADS, num_blocks, BLOCK, HEAD_DIM, generator=gen).bfloat16() for _ in range(LAYERS)]
+    caches = [torch.randn(2, KV_HEADS, num_blocks, BLOCK, HEAD_DIM, generator=gen).to(dtype) for _ in range(LAYERS)]
     tables = torch.randperm(num_blocks, generator=gen).view(batch, per_request)
     hot = (torch.arange(per_request) % HOT_BLOCKS).expand(batch, per_request).contiguous()
     lens = torch.full((batch,), context, dtype=torch.int64)
-    qkv = torch.randn(batch, Q_HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    qkv = torch.randn(batch, Q_HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     q, scale = qkv[:, :Q_HEADS], HEAD_DIM**-0.5
 
     def step(table: torch.Tensor) -> None:
@@ -45,7 +50,7 @@ def row(batch: int, context: int, repeats: int, read_gb_s: float, gen: torch.Gen
 
     step_ms = 1000 * median_s(lambda: step(tables), repeats)
     hot_ms = 1000 * median_s(lambda: step(hot), repeats)
-    kv_bytes = batch * context * KV_HEADS * 2 * HEAD_DIM * 2 * LAYERS
+    kv_bytes = batch * context * KV_HEADS * 2 * HEAD_DIM * dtype.itemsize * LAYERS
     floor_ms = kv_bytes / (read_gb_s * 1e9) * 1000
     return {
         "batch": batch,
@@ -64,17 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=lambda s: [int(n) for n in s.split(",")], default=[1, 8, 32, 64])
     p.add_argument("--contexts", type=lambda s: [int(n) for n in s.split(",")], default=[116, 200, 600])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--dtype", default="auto", help="bfloat16, float32, or auto: what the engine picks on this CPU")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
-    if not load_paged_attention(torch.bfloat16, HEAD_DIM, BLOCK, Q_HEADS // KV_HEADS).bf16_dot:
+    dtype = choose_dtype(args.dtype, torch.device("cpu"))
+    if dtype == torch.bfloat16 and not load_paged_attention(dtype, HEAD_DIM, BLOCK, Q_HEADS // KV_HEADS).bf16_dot:
         raise SystemExit("this CPU has no AVX512-BF16: the bf16 decode kernel takes its portable path here")
-    limits = roofline.measure(torch.device("cpu"), torch.bfloat16, read_mib=1024, gemm_n=512, repeats=5)
-    say(f"streaming read {limits.read_gb_s:.1f} GB/s, {torch.get_num_threads()} threads")
+    limits = roofline.measure(torch.device("cpu"), dtype, read_mib=1024, gemm_n=512, repeats=5)
+    say(f"{dtype}, streaming read {limits.read_gb_s:.1f} GB/s, {torch.get_num_threads()} threads")
     gen = torch.Generator().manual_seed(0)
     rows = []
     for context in args.contexts:
         for batch in args.batches:
-            rows.append(row(batch, context, args.repeats, limits.read_gb_s, gen))
+            rows.append(row(batch, context, args.repeats, limits.read_gb_s, gen, dtype))
             say(f"  {rows[-1]}")
     write_csv(rows, args.out / "decode_attention.csv")
     panels = {

@@ -34,8 +34,10 @@
 
 /* How a block's key scores are computed: in float32 with the query heads scaled once (any target), or,
  * for bfloat16 on CPUs with AVX512-BF16, with dot-product instructions straight on the stored bf16 keys
- * and queries (exact products, float32 sums). -DPORTABLE forces the first, so tests cover both. Each
- * KEY_SCORES sets p[g][t] and raises block_max[g]. */
+ * and queries (exact products, float32 sums). -DPORTABLE forces the first, so tests cover both. The decode
+ * loop below takes a block's scores from BLOCK_SCORES (setting p[g][t], raising block_max[g] and asking for the
+ * next block's lines among its products) and its value sums from VALUE_SUMS; a key at a time and an element at a
+ * time in plain C (BLOCK_SCORES_EACH_KEY, VALUE_SUMS_EACH_ELEMENT), float32 on AVX2 its own of both. */
 #define LOAD_QUERIES_FLOAT(LOAD)                                                                             \
     float qf[GROUP][HEAD_DIM];                                                                               \
     for (int g = 0; g < GROUP; g++)                                                                          \
@@ -51,6 +53,25 @@
             p[g][t] = dot;                                                                                   \
             block_max[g] = dot > block_max[g] ? dot : block_max[g];                                          \
         }                                                                                                    \
+    }
+
+/* A block's scores a key at a time; the next block is somewhere else in memory: ask for it a row per row of this
+ * one. */
+#define BLOCK_SCORES_EACH_KEY(T, LOAD, kb, n, next_k, next_v)                                                \
+    for (int t = 0; t < n; t++) {                                                                            \
+        for (int o = t * ROW_BYTES(T); o < (t + 1) * ROW_BYTES(T); o += CACHE_LINE) {                        \
+            __builtin_prefetch(next_k + o);                                                                  \
+            __builtin_prefetch(next_v + o);                                                                  \
+        }                                                                                                    \
+        KEY_SCORES_FLOAT(LOAD, kb + t * HEAD_DIM, t)                                                         \
+    }
+
+/* Query head g's running sums rescaled, then the block's n weighted values added, a key at a time. */
+#define VALUE_SUMS_EACH_ELEMENT(LOAD, vb, n, g, rescale)                                                     \
+    {                                                                                                        \
+        for (int d = 0; d < HEAD_DIM; d++) acc[g][d] *= rescale;                                             \
+        for (int t = 0; t < n; t++)                                                                          \
+            for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p[g][t] * LOAD(vb[t * HEAD_DIM + d]);            \
     }
 
 #if defined(__AVX512BF16__) && !defined(PORTABLE) && HEAD_DIM % 32 == 0 && BLOCK_SIZE % 16 == 0
@@ -86,14 +107,7 @@
                 const char* next_v = (const char*)(values + next * BLOCK_SIZE * HEAD_DIM);                   \
                 float block_max[GROUP];                                                                      \
                 for (int g = 0; g < GROUP; g++) block_max[g] = run_max[g];                                   \
-                /* The next block is somewhere else in memory: ask for it a row per row of this one. */      \
-                for (int t = 0; t < n; t++) {                                                                \
-                    for (int o = t * ROW_BYTES(T); o < (t + 1) * ROW_BYTES(T); o += CACHE_LINE) {            \
-                        __builtin_prefetch(next_k + o);                                                      \
-                        __builtin_prefetch(next_v + o);                                                      \
-                    }                                                                                        \
-                    KEY_SCORES(kb + t * HEAD_DIM, t)                                                         \
-                }                                                                                            \
+                BLOCK_SCORES(kb, n, next_k, next_v)                                                          \
                 for (int g = 0; g < GROUP; g++) {                                                            \
                     const float rescale = exp_approx(run_max[g] - block_max[g]);                             \
                     float sum = 0.0f;                                                                        \
@@ -103,13 +117,7 @@
                     }                                                                                        \
                     run_max[g] = block_max[g];                                                               \
                     run_sum[g] = run_sum[g] * rescale + sum;                                                 \
-                    for (int d = 0; d < HEAD_DIM; d++) acc[g][d] *= rescale;                                 \
-                }                                                                                            \
-                for (int t = 0; t < n; t++) {                                                                \
-                    float v[HEAD_DIM];                                                                       \
-                    for (int d = 0; d < HEAD_DIM; d++) v[d] = LOAD(vb[t * HEAD_DIM + d]);                    \
-                    for (int g = 0; g < GROUP; g++)                                                          \
-                        for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p[g][t] * v[d];                      \
+                    VALUE_SUMS(vb, n, g, rescale)                                                            \
                 }                                                                                            \
             }                                                                                                \
             for (int g = 0; g < GROUP; g++) {                                                                \
@@ -349,17 +357,78 @@ void paged_decode_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* cach
 }
 #else
 #define LOAD_QUERIES(queries) LOAD_QUERIES_FLOAT(bf16_to_float)
-#define KEY_SCORES(krow, t) KEY_SCORES_FLOAT(bf16_to_float, krow, t)
+#define BLOCK_SCORES(kb, n, next_k, next_v) BLOCK_SCORES_EACH_KEY(uint16_t, bf16_to_float, kb, n, next_k, next_v)
+#define VALUE_SUMS(vb, n, g, rescale) VALUE_SUMS_EACH_ELEMENT(bf16_to_float, vb, n, g, rescale)
 DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_float, float_to_bf16)
 #undef LOAD_QUERIES
-#undef KEY_SCORES
+#undef BLOCK_SCORES
+#undef VALUE_SUMS
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(PORTABLE) && HEAD_DIM % 8 == 0
+#include <immintrin.h>
+/* float32 on AVX2: four keys' scores for every query head of the group at once (12 accumulators over the
+ * dimensions, eight at a time, the three query vectors and a key vector in registers), then each head's four
+ * sums out of their vectors by one horizontal-add tree instead of one reduction a key: keys t0 .. t0 + nk - 1.
+ * Among the products, the same four rows of the next block's keys and values are asked for a line at a time. */
+static inline void key_scores4_f32(const float (*qf)[HEAD_DIM], const float* kb, int t0, int nk,
+                                   float (*p)[BLOCK_SIZE], float* block_max, const char* next_k,
+                                   const char* next_v) {
+    __m256 acc[4][GROUP];
+    for (int t = 0; t < 4; t++)
+        for (int g = 0; g < GROUP; g++) acc[t][g] = _mm256_setzero_ps();
+    for (int c = 0; c < HEAD_DIM; c += 8) {
+        /* rows t0 .. t0 + 3 are 4 * HEAD_DIM * 4 bytes: HEAD_DIM / 8 steps of c, two lines of each a step */
+        const int line = t0 * HEAD_DIM * 4 + c / 8 * 2 * CACHE_LINE;
+        if (line < BLOCK_SIZE * HEAD_DIM * 4) {
+            __builtin_prefetch(next_k + line);
+            __builtin_prefetch(next_k + line + CACHE_LINE);
+            __builtin_prefetch(next_v + line);
+            __builtin_prefetch(next_v + line + CACHE_LINE);
+        }
+        __m256 qv[GROUP];
+        for (int g = 0; g < GROUP; g++) qv[g] = _mm256_loadu_ps(qf[g] + c);
+        for (int t = 0; t < 4; t++) {
+            const __m256 k = _mm256_loadu_ps(kb + (t0 + (t < nk ? t : 0)) * HEAD_DIM + c); /* past nk: unused */
+            for (int g = 0; g < GROUP; g++) acc[t][g] = _mm256_fmadd_ps(qv[g], k, acc[t][g]);
+        }
+    }
+    for (int g = 0; g < GROUP; g++) {
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][g], acc[1][g]), _mm256_hadd_ps(acc[2][g], acc[3][g]));
+        float s[4];
+        _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+        for (int t = 0; t < nk; t++) {
+            p[g][t0 + t] = s[t];
+            block_max[g] = s[t] > block_max[g] ? s[t] : block_max[g];
+        }
+    }
+}
+#define BLOCK_SCORES(kb, n, next_k, next_v)                                                                  \
+    for (int t0 = 0; t0 < n; t0 += 4)                                                                        \
+        key_scores4_f32(qf, kb, t0, n - t0 < 4 ? n - t0 : 4, p, block_max, next_k, next_v);
+/* Query head g's value sums in eight registers across the block's keys (rescaled as they are loaded), instead of
+ * every head's sums through memory a key at a time: per element the same products added in the same order. */
+#define VALUE_SUMS(vb, n, g, rescale)                                                                        \
+    {                                                                                                        \
+        __m256 a[HEAD_DIM / 8];                                                                              \
+        const __m256 rs = _mm256_set1_ps(rescale);                                                          \
+        for (int c = 0; c < HEAD_DIM / 8; c++) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc[g] + 8 * c), rs);  \
+        for (int t = 0; t < n; t++) {                                                                        \
+            const __m256 w = _mm256_set1_ps(p[g][t]);                                                        \
+            for (int c = 0; c < HEAD_DIM / 8; c++)                                                           \
+                a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + t * HEAD_DIM + 8 * c), a[c]);                 \
+        }                                                                                                    \
+        for (int c = 0; c < HEAD_DIM / 8; c++) _mm256_storeu_ps(acc[g] + 8 * c, a[c]);                      \
+    }
+#else
+#define BLOCK_SCORES(kb, n, next_k, next_v) BLOCK_SCORES_EACH_KEY(float, identity, kb, n, next_k, next_v)
+#define VALUE_SUMS(vb, n, g, rescale) VALUE_SUMS_EACH_ELEMENT(identity, vb, n, g, rescale)
+#endif
 #define LOAD_QUERIES(queries) LOAD_QUERIES_FLOAT(identity)
-#define KEY_SCORES(krow, t) KEY_SCORES_FLOAT(identity, krow, t)
 DEFINE_PAGED_DECODE(paged_decode_f32, float, identity, identity)
 #undef LOAD_QUERIES
-#undef KEY_SCORES
+#undef BLOCK_SCORES
+#undef VALUE_SUMS
 
 /* Which key-score path the bfloat16 kernel was built with, for tests and logs: 1 dot-product instructions. */
 int paged_decode_bf16_dot(void) {
