@@ -12,7 +12,8 @@ scattered over it (a random permutation), the query rows strided as the QKV proj
   arithmetic runs on keys and values already in L1/L2: what the kernel costs with no memory traffic;
 - `floor_ms`: the keys and values a step reads (B x L x 3 heads x 2 x 64 x 2 or 4 bytes x 30) over the streaming
   read bandwidth measured in the same run (`roofline.measure`), and `distance` = step_ms / floor_ms.
-Writes <out>/decode_attention.csv and .png and prints a markdown table; progress goes to stderr.
+Writes <out>/decode_attention.csv and .png (decode_attention_float32.* in float32) and prints a markdown table;
+progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches:
             rows.append(row(batch, context, args.repeats, limits.read_gb_s, gen, dtype))
             say(f"  {rows[-1]}")
-    write_csv(rows, args.out / "decode_attention.csv")
+    name = "decode_attention" if dtype == torch.bfloat16 else "decode_attention_float32"  # bf16 keeps its name
+    write_csv(rows, args.out / f"{name}.csv")
     panels = {
         f"context {c}": {
             name: [(int(str(r["batch"])), float(str(r[key]))) for r in rows if r["context"] == c]
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for c in args.contexts
     }
-    panel_plot(panels, "batch", "ms per step (30 layers)", args.out / "decode_attention.png")
+    panel_plot(panels, "batch", "ms per step (30 layers)", args.out / f"{name}.png")
     fields = list(rows[0])
     print("| " + " | ".join(fields) + " |\n|" + "---|" * len(fields))
     for r in rows:
