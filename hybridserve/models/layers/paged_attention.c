@@ -458,6 +458,26 @@ DEFINE_ROTATE_HEAD(rotate_head_f32, float, identity, identity, identity)
 DEFINE_ROPE_WRITE_KV(rope_write_kv_bf16, uint16_t, rotate_head_bf16)
 DEFINE_ROPE_WRITE_KV(rope_write_kv_f32, float, rotate_head_f32)
 
+/* Both prefill kernels' work items: `item` of row_blocks x kv_heads is PREFILL_ROWS query tokens (rows) of KV
+ * head h, GROUP query vectors each; the last rows see the most keys, so they go first and the threads end
+ * together. Declares the item's rows, its query vectors (qv[v]: row v / GROUP, head h * GROUP + v % GROUP), its
+ * last query position (keys up to it) and each vector's zeroed value sums and online-softmax state. */
+#define PREFILL_ROWS 16
+#define PREFILL_VECTORS (PREFILL_ROWS * GROUP)
+#define PREFILL_ITEM(T)                                                                                      \
+    const int64_t i0 = (row_blocks - 1 - item / kv_heads) * PREFILL_ROWS, h = item % kv_heads;              \
+    const int rows = n - i0 < PREFILL_ROWS ? (int)(n - i0) : PREFILL_ROWS, nv = rows * GROUP;                \
+    const int64_t last = pos0 + i0 + rows - 1;                                                               \
+    float acc[PREFILL_VECTORS][HEAD_DIM] __attribute__((aligned(64)));                                       \
+    float run_max[PREFILL_VECTORS], run_sum[PREFILL_VECTORS];                                                \
+    const T* qv[PREFILL_VECTORS];                                                                            \
+    for (int v = 0; v < nv; v++) {                                                                           \
+        qv[v] = q + (i0 + v / GROUP) * q_stride + (h * GROUP + v % GROUP) * HEAD_DIM;                        \
+        run_max[v] = -INFINITY;                                                                              \
+        run_sum[v] = 0.0f;                                                                                   \
+        for (int d = 0; d < HEAD_DIM; d++) acc[v][d] = 0.0f;                                                 \
+    }
+
 /* Prefill, bfloat16 with AVX512-BF16 and 16-token blocks: a chunk's n queries (positions pos0 .. pos0 + n - 1
  * of one request, `table` its block table) against the request's cached keys up to each query's own position
  * (the step wrote the chunk's keys first, so a chunk after a prefix hit reads the prefix in place too).
@@ -472,9 +492,8 @@ DEFINE_ROPE_WRITE_KV(rope_write_kv_f32, float, rotate_head_f32)
 #if defined(BF16_DOT) && BLOCK_SIZE == 16
 #include <stdlib.h>
 #define PREFILL 1
-#define PREFILL_ROWS 16
 #define SCORE_TILE 12 /* query vectors scored together: their sums, a key vector and a broadcast in registers */
-#define VECTORS (PREFILL_ROWS * GROUP)
+#define VECTORS PREFILL_VECTORS
 
 typedef struct { /* past the context: zeros */
     uint32_t keys[HEAD_DIM / 2][BLOCK_SIZE];       /* pairs of dimensions x keys */
@@ -667,19 +686,7 @@ int paged_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* cach
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < row_blocks * kv_heads; item++) {
-            /* The last rows see the most keys: they go first, so the threads end together. */
-            const int64_t i0 = (row_blocks - 1 - item / kv_heads) * PREFILL_ROWS, h = item % kv_heads;
-            const int rows = n - i0 < PREFILL_ROWS ? (int)(n - i0) : PREFILL_ROWS, nv = rows * GROUP;
-            const int64_t last = pos0 + i0 + rows - 1; /* the item's last query position: keys up to it */
-            float acc[VECTORS][HEAD_DIM] __attribute__((aligned(64)));
-            float run_max[VECTORS], run_sum[VECTORS];
-            const uint16_t* qv[VECTORS]; /* query vector v: row v / GROUP, head h * GROUP + v % GROUP */
-            for (int v = 0; v < nv; v++) {
-                qv[v] = q + (i0 + v / GROUP) * q_stride + (h * GROUP + v % GROUP) * HEAD_DIM;
-                run_max[v] = -INFINITY;
-                run_sum[v] = 0.0f;
-                for (int d = 0; d < HEAD_DIM; d++) acc[v][d] = 0.0f;
-            }
+            PREFILL_ITEM(uint16_t)
 #ifdef PREFILL_AMX
             uint16_t queries[GROUP][PREFILL_ROWS][HEAD_DIM] __attribute__((aligned(64)));
             float raw[VECTORS][16] __attribute__((aligned(64)));
@@ -738,7 +745,7 @@ int paged_prefill_available(void) {
 /* Causal prefill attention in float32 over the paged cache, for any CPU (GCC's vector extensions, as wide as the
  * target's registers: 8 floats with AVX2, 16 with AVX-512). The bf16 kernel's plan, in float32 FMAs: every block
  * the chunk sees has its keys transposed once per KV head into [HEAD_DIM][16 keys], so a query's 16 scores against
- * the block are summed over the dimensions in order, one or two vectors; a work item is PREFILL_F32_ROWS query
+ * the block are summed over the dimensions in order, one or two vectors; a work item is PREFILL_ROWS query
  * tokens of one KV head, GROUP query vectors each, SCORE_F32_TILE of them sharing each key vector (linear.c's
  * register tile); the values are read in place, the visible keys only. Online softmax and the sums in float32, as
  * in decode. A query's result does not depend on the chunk or the item it falls in: every query walks the same
@@ -747,8 +754,6 @@ int paged_prefill_available(void) {
 #if BLOCK_SIZE == 16
 #include <stdlib.h>
 #define PREFILL_F32 1
-#define PREFILL_F32_ROWS 16
-#define VECTORS_F32 (PREFILL_F32_ROWS * GROUP)
 #if defined(__AVX512F__)
 #define FW 16
 #define SCORE_F32_TILE 12 /* query vectors scored together: their sums, a key vector and a broadcast */
@@ -801,7 +806,7 @@ static inline void score_block_f32(const float* const* tile, const keys_f32* kt,
 int paged_prefill_f32(const float* q, int64_t q_stride, const float* cache, int64_t num_blocks, const int64_t* table,
                       int64_t pos0, int64_t n, float* out, int64_t q_heads, int64_t kv_heads, float scale) {
     const int64_t head_stride = num_blocks * BLOCK_SIZE * HEAD_DIM;
-    const int64_t row_blocks = (n + PREFILL_F32_ROWS - 1) / PREFILL_F32_ROWS;
+    const int64_t row_blocks = (n + PREFILL_ROWS - 1) / PREFILL_ROWS;
     const int64_t context = pos0 + n, blocks = (context + BLOCK_SIZE - 1) / BLOCK_SIZE;
     keys_f32* keys = aligned_alloc(64, (size_t)(blocks * kv_heads) * sizeof(keys_f32));
     if (keys == 0) return -1;
@@ -817,19 +822,7 @@ int paged_prefill_f32(const float* q, int64_t q_stride, const float* cache, int6
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < row_blocks * kv_heads; item++) {
-            /* The last rows see the most keys: they go first, so the threads end together. */
-            const int64_t i0 = (row_blocks - 1 - item / kv_heads) * PREFILL_F32_ROWS, h = item % kv_heads;
-            const int rows = n - i0 < PREFILL_F32_ROWS ? (int)(n - i0) : PREFILL_F32_ROWS, nv = rows * GROUP;
-            const int64_t last = pos0 + i0 + rows - 1; /* the item's last query position: keys up to it */
-            float acc[VECTORS_F32][HEAD_DIM] __attribute__((aligned(64)));
-            float run_max[VECTORS_F32], run_sum[VECTORS_F32];
-            const float* qv[VECTORS_F32]; /* query vector v: row v / GROUP, head h * GROUP + v % GROUP */
-            for (int v = 0; v < nv; v++) {
-                qv[v] = q + (i0 + v / GROUP) * q_stride + (h * GROUP + v % GROUP) * HEAD_DIM;
-                run_max[v] = -INFINITY;
-                run_sum[v] = 0.0f;
-                for (int d = 0; d < HEAD_DIM; d++) acc[v][d] = 0.0f;
-            }
+            PREFILL_ITEM(float)
             for (int64_t start = 0, j = 0; start <= last; start += BLOCK_SIZE, j++) {
                 const keys_f32* kt = keys + h * blocks + j;
                 const float* values = cache + (kv_heads + h) * head_stride + table[j] * BLOCK_SIZE * HEAD_DIM;
