@@ -136,7 +136,7 @@ void linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const fl
 #define FQP 16  /* columns per int8 panel: two vectors of eight int32 sums */
 #define FQMR 5 /* rows of x per register tile: 10 accumulators, two weight vectors, a broadcast and a product */
 
-int64_t linear_argmax_f32_available(void) { return 1; }
+int64_t linear_argmax_f32_available(int64_t k) { return k > 0; }
 
 typedef struct {
     float t, norm, err; /* x's scale (NaN: x not finite), |x|, |x - t qx|, the last two rounded up */
@@ -156,27 +156,29 @@ typedef struct {
     int16_t* xq;          /* [m][k2 * 2] */
     float* panels;        /* [threads][k][NR] */
     int64_t stride, most;
+    int64_t size; /* bytes from base to the end */
 } argmax_f32_work;
 
-static argmax_f32_work argmax_f32_layout(void* base, int64_t m, int64_t n, int64_t k, int64_t threads) {
+/* The workspace's parts from base (NULL: only their size). */
+static argmax_f32_work argmax_f32_layout(char* base, int64_t m, int64_t n, int64_t k, int64_t threads) {
     argmax_f32_work w;
-    char* p = base;
+    int64_t at = 0;
+#define PART(field, type, count) w.field = (type*)(uintptr_t)((uintptr_t)base + at), at += (count) * sizeof(type)
     w.stride = (n + FQP - 1) / FQP * FQP, w.most = argmax_f32_most(n);
-    w.panels = (float*)p, p += threads * k * NR * sizeof(float);
-    w.lower = (float*)p, p += threads * m * 8 * sizeof(float);
-    w.upper = (uint16_t*)p, p += m * w.stride * sizeof(uint16_t);
-    w.cand = (int32_t*)p, p += m * w.most * sizeof(int32_t);
-    w.rows = (argmax_f32_row*)p, p += m * sizeof(argmax_f32_row);
-    w.xq = (int16_t*)p;
+    PART(panels, float, threads * k * NR);
+    PART(lower, float, threads * m * 8);
+    PART(upper, uint16_t, m * w.stride);
+    PART(cand, int32_t, m * w.most);
+    PART(rows, argmax_f32_row, m);
+    PART(xq, int16_t, m * 2 * ((k + 1) / 2));
+#undef PART
+    w.size = at;
     return w;
 }
 
 /* Bytes of workspace linear_argmax_f32 needs for m rows, n columns and inner size k. */
 int64_t linear_argmax_f32_workspace(int64_t m, int64_t n, int64_t k) {
-    const int64_t threads = omp_get_max_threads(), stride = (n + FQP - 1) / FQP * FQP, k2 = (k + 1) / 2;
-    return threads * k * NR * (int64_t)sizeof(float) + threads * m * 8 * (int64_t)sizeof(float) +
-           m * stride * (int64_t)sizeof(uint16_t) + m * argmax_f32_most(n) * (int64_t)sizeof(int32_t) +
-           m * (int64_t)sizeof(argmax_f32_row) + m * k2 * 2 * (int64_t)sizeof(int16_t);
+    return argmax_f32_layout(0, m, n, k, omp_get_max_threads()).size;
 }
 
 /* The largest |q| a row of x rounds to: k products with |q w| <= 127 |q| sum in an int32 without overflow. */
@@ -185,11 +187,10 @@ static int32_t argmax_f32_xmax(int64_t k2) {
     return (int32_t)(most < INT16_MAX ? most : INT16_MAX);
 }
 
-/* v [k] rounded to integers of at most qmax with one scale (max |v| / qmax, returned; NaN if a value is not
- * finite) into q8 or q16 (whichever is not NULL; [k2 * 2], zero past k); *err: |v - scale q|, *norm: |v|, both
- * rounded up. */
-static float argmax_f32_quantize(const float* v, int64_t k, int64_t k2, int32_t qmax, int8_t* q8, int16_t* q16,
-                                 float* err, float* norm) {
+/* v [k] rounded to integers of at most qmax (<= INT16_MAX) with one scale (max |v| / qmax, returned; NaN if a
+ * value is not finite) into q [k2 * 2], zero past k; *err: |v - scale q|, *norm: |v|, both rounded up. */
+static float argmax_f32_quantize(const float* v, int64_t k, int64_t k2, int32_t qmax, int16_t* q, float* err,
+                                 float* norm) {
     float amax = 0.0f;
     int finite = 1;
     for (int64_t i = 0; i < k; i++) {
@@ -203,8 +204,7 @@ static float argmax_f32_quantize(const float* v, int64_t k, int64_t k2, int32_t 
         const float x = i < k && finite ? v[i] : 0.0f;
         const float r = scale > 0.0f ? nearbyintf(x / scale) : 0.0f;
         const int32_t qi = r > (float)qmax ? qmax : r < -(float)qmax ? -qmax : (int32_t)r;
-        if (q8 != 0) q8[i] = (int8_t)qi;
-        else q16[i] = (int16_t)qi;
+        q[i] = (int16_t)qi;
         const double e = (double)x - (double)scale * qi;
         e2 += e * e, n2 += (double)x * x;
     }
@@ -221,16 +221,16 @@ int64_t linear_argmax_f32_pack(const float* w, int64_t n, int64_t k, int8_t* q, 
     int bad = 0;
 #pragma omp parallel for reduction(| : bad) if (n * k >= PARALLEL_MIN_WORK)
     for (int64_t v = 0; v < padded; v++) {
-        int8_t row[2 * k2];
+        int16_t row[2 * k2];
         float err = 0.0f, norm = 0.0f, scale = 0.0f;
         if (v < n) {
-            scale = argmax_f32_quantize(w + v * k, k, k2, 127, row, 0, &err, &norm);
+            scale = argmax_f32_quantize(w + v * k, k, k2, 127, row, &err, &norm);
             bad |= !(scale == scale);
         } else {
-            memset(row, 0, (size_t)(2 * k2));
+            memset(row, 0, sizeof row);
         }
         int8_t* panel = q + (v / FQP) * k2 * FQP * 2;
-        for (int64_t i = 0; i < 2 * k2; i++) panel[(i / 2) * FQP * 2 + (v % FQP) * 2 + i % 2] = row[i];
+        for (int64_t i = 0; i < 2 * k2; i++) panel[(i / 2) * FQP * 2 + (v % FQP) * 2 + i % 2] = (int8_t)row[i];
         meta[v] = scale, meta[padded + v] = err, meta[2 * padded + v] = norm;
     }
     return bad ? -1 : 0;
@@ -326,12 +326,12 @@ static void argmax_f32_exact_best(const float* x, int64_t k, const float* w, con
 int64_t linear_argmax_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const int8_t* q, const float* meta,
                           int64_t meta_rows, const float* w_rows, int64_t n, void* work, int64_t* out) {
     const int64_t k2 = (k + 1) / 2, threads = omp_get_max_threads(), panels = (n + FQP - 1) / FQP;
-    const argmax_f32_work w = argmax_f32_layout(work, m, n, k, threads);
+    const argmax_f32_work w = argmax_f32_layout((char*)work, m, n, k, threads);
     const int32_t qmax = argmax_f32_xmax(k2);
     for (int64_t i = 0; i < threads * m * 8; i++) w.lower[i] = -INFINITY;
     for (int64_t r = 0; r < m; r++) {
         argmax_f32_row* row = w.rows + r;
-        row->t = argmax_f32_quantize(x + r * x_stride, k, k2, qmax, 0, w.xq + r * 2 * k2, &row->err, &row->norm);
+        row->t = argmax_f32_quantize(x + r * x_stride, k, k2, qmax, w.xq + r * 2 * k2, &row->err, &row->norm);
     }
     const int64_t tiles = (m + FQMR - 1) / FQMR, base = m / tiles, extra = m % tiles;
     int64_t undecided = 0;
@@ -388,7 +388,10 @@ int64_t linear_argmax_f32(const float* x, int64_t x_stride, int64_t m, int64_t k
     return undecided;
 }
 #else
-int64_t linear_argmax_f32_available(void) { return 0; } /* no AVX2 with FMA and F16C here */
+int64_t linear_argmax_f32_available(int64_t k) {
+    (void)k;
+    return 0; /* no AVX2 with FMA and F16C here */
+}
 #endif
 
 /* bfloat16: the same panels and tile, summed with the CPU's bf16 dot-product instruction (AVX512-BF16), which

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -232,6 +232,20 @@ class FusedOps:
         return out
 
 
+class _ArgmaxKernels(NamedTuple):
+    """One dtype's greedy-head functions (linear.c) and the layout of its int8 copy: panels of 16 weight rows,
+    the rows padded to `rows`, K in groups of `k_group`; `meta_rows` per-row values (scale, error norm, norm,
+    and for bf16 the sum of its int8 values)."""
+
+    available: Callable[[int], int]  # nonzero: it takes an inner size k
+    pack: Callable[..., int]
+    workspace: Callable[..., int]
+    argmax: Callable[..., int]
+    rows: int
+    k_group: int
+    meta_rows: int
+
+
 class LinearKernels:
     """Matmuls y = x W^T + b over weights packed once into panels (linear.c): float32 everywhere, bfloat16
     where the CPU has AVX512-BF16 (summed on AMX's tiles where it has those too)."""
@@ -247,24 +261,23 @@ class LinearKernels:
         if torch.bfloat16 in self.panel_width:
             self._pack[torch.bfloat16] = _function(lib, "linear_pack_bf16", [_P, _I, _I, _P])
             self._linear[torch.bfloat16] = _function(lib, "linear_bf16", [_P, _I, _I, _I, _P, _I, _P, _P, _I])
-        # the greedy head (argmax): bf16 with AVX512-VNNI, float32 with AVX2 (FMA, F16C); per dtype, its
-        # functions: pack, workspace, argmax
-        bf16_available = _function(lib, "linear_argmax_available", [_I], _I)
-        self._argmax_bf16_takes = lambda k: bool(bf16_available(k))
-        self._argmax: dict[torch.dtype, tuple[Callable[..., int], ...]] = {}
-        argmax_args = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P]
-        if bf16_available(1):
-            self._argmax[torch.bfloat16] = (
-                _function(lib, "linear_argmax_pack", [_P, _I, _I, _P, _P], _I),
-                _function(lib, "linear_argmax_workspace", [_I, _I, _I], _I),
-                _function(lib, "linear_argmax", argmax_args, _I),
-            )
-        if _function(lib, "linear_argmax_f32_available", [], _I)():
-            self._argmax[torch.float32] = (
-                _function(lib, "linear_argmax_f32_pack", [_P, _I, _I, _P, _P], _I),
-                _function(lib, "linear_argmax_f32_workspace", [_I, _I, _I], _I),
-                _function(lib, "linear_argmax_f32", argmax_args, _I),
-            )
+        # the greedy head (argmax): bf16 with AVX512-VNNI, float32 with AVX2 (FMA, F16C)
+        self._argmax: dict[torch.dtype, _ArgmaxKernels] = {}
+        for dtype, suffix, rows, k_group, meta_rows in (
+            (torch.bfloat16, "", 32, 4, 4),
+            (torch.float32, "_f32", 16, 2, 3),
+        ):
+            available = _function(lib, f"linear_argmax{suffix}_available", [_I], _I)
+            if available(1):
+                self._argmax[dtype] = _ArgmaxKernels(
+                    available,
+                    _function(lib, f"linear_argmax{suffix}_pack", [_P, _I, _I, _P, _P], _I),
+                    _function(lib, f"linear_argmax{suffix}_workspace", [_I, _I, _I], _I),
+                    _function(lib, f"linear_argmax{suffix}", [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P], _I),
+                    rows,
+                    k_group,
+                    meta_rows,
+                )
         self._argmax_work = torch.empty(0, dtype=torch.uint8)
 
     @property
@@ -322,9 +335,8 @@ class LinearKernels:
         if weight.dtype not in self._argmax or weight.dtype not in self.panel_width or weight.dim() != 2:
             return False
         n, k = weight.shape
-        if weight.dtype == torch.float32:
-            return k > 0
-        return self._argmax_bf16_takes(k) and n * -(-k // 2) < 2**31
+        gathered_by_words = weight.dtype == torch.bfloat16  # its candidates' rows: 32-bit word offsets
+        return bool(self._argmax[weight.dtype].available(k)) and not (gathered_by_words and n * -(-k // 2) >= 2**31)
 
     def pack_argmax(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The int8 copy of a weight [N, K] that argmax bounds its logits with, and per row its scale, error norm
@@ -335,13 +347,11 @@ class LinearKernels:
             raise ValueError(f"argmax cannot take the weight {weight.dtype} {tuple(weight.shape)} on this CPU")
         weight = weight.contiguous()
         n, k = weight.shape
-        if weight.dtype == torch.float32:
-            q = torch.empty((-(-n // 16), -(-k // 2), 16, 2), dtype=torch.int8)
-            meta = torch.empty((3, q.shape[0] * 16), dtype=torch.float32)
-        else:
-            q = torch.empty((-(-n // 32) * 2, -(-k // 4), 16, 4), dtype=torch.int8)
-            meta = torch.empty((4, q.shape[0] * 16), dtype=torch.float32)
-        if self._argmax[weight.dtype][0](weight.data_ptr(), n, k, q.data_ptr(), meta.data_ptr()) != 0:
+        kernels = self._argmax[weight.dtype]
+        rows = -(-n // kernels.rows) * kernels.rows
+        q = torch.empty((rows // 16, -(-k // kernels.k_group), 16, kernels.k_group), dtype=torch.int8)
+        meta = torch.empty((kernels.meta_rows, rows), dtype=torch.float32)
+        if kernels.pack(weight.data_ptr(), n, k, q.data_ptr(), meta.data_ptr()) != 0:
             raise ValueError(f"the weight {tuple(weight.shape)} holds a non-finite value: its logits have no bound")
         return q, meta
 
@@ -354,14 +364,14 @@ class LinearKernels:
         columns candidates: nearly flat logits). x: [M, K] of the weight's dtype, rows contiguous; weight: [N, K]
         contiguous (n <= N); q, meta: pack_argmax(weight)."""
         m, k = x.shape
-        k_per_row = 2 if weight.dtype == torch.float32 else 4  # the int8 copy holds K in pairs or fours
+        kernels = self._argmax.get(weight.dtype)
         if (
-            x.dtype != weight.dtype
-            or weight.dtype not in self._argmax
+            kernels is None
+            or x.dtype != weight.dtype
             or x.stride(1) != 1
             or weight.shape[1] != k
             or not weight.is_contiguous()
-            or q.shape[1] != -(-k // k_per_row)
+            or q.shape[1] != -(-k // kernels.k_group)
             or not 0 < n <= weight.shape[0]
         ):
             raise ValueError(
@@ -370,12 +380,11 @@ class LinearKernels:
             )
         out = torch.empty(m, dtype=torch.int64)
         if m:
-            _, workspace, argmax = self._argmax[weight.dtype]
-            size = workspace(m, n, k)
+            size = kernels.workspace(m, n, k)
             if self._argmax_work.numel() < size:
                 self._argmax_work = torch.empty(size, dtype=torch.uint8)
             args = [x.data_ptr(), x.stride(0), m, k, q.data_ptr(), meta.data_ptr(), meta.shape[1], weight.data_ptr()]
-            argmax(*args, n, self._argmax_work.data_ptr(), out.data_ptr())
+            kernels.argmax(*args, n, self._argmax_work.data_ptr(), out.data_ptr())
         return out
 
 

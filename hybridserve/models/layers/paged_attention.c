@@ -771,11 +771,12 @@ typedef float keys_f32[HEAD_DIM][BLOCK_SIZE]; /* one block's keys, dimensions x 
 static inline void attend_block_f32(const float* s, int visible, const float* values, float scale, float* acc,
                                     float* run_max, float* run_sum) {
     float p[BLOCK_SIZE];
+    for (int t = 0; t < BLOCK_SIZE; t++) p[t] = s[t] * scale;
     float block_max = *run_max;
-    for (int t = 0; t < visible; t++) block_max = s[t] * scale > block_max ? s[t] * scale : block_max;
+    for (int t = 0; t < visible; t++) block_max = p[t] > block_max ? p[t] : block_max;
     const float rescale = exp_approx(*run_max - block_max);
     float sum = 0.0f;
-    for (int t = 0; t < BLOCK_SIZE; t++) p[t] = exp_approx(s[t] * scale - block_max);
+    for (int t = 0; t < BLOCK_SIZE; t++) p[t] = exp_approx(p[t] - block_max);
     for (int t = 0; t < visible; t++) sum += p[t];
     *run_max = block_max;
     *run_sum = *run_sum * rescale + sum;
