@@ -8,6 +8,10 @@ heads, head_dim 64, 16-token blocks, in the engine's dtype: bf16 where the CPU h
 float32) as a step has it: one cache per layer, each request's blocks
 scattered over it (a random permutation), the query rows strided as the QKV projection leaves them. Timed:
 - `step_ms`: the 30 layers' `decode` calls, the median of `--repeats`;
+- `runs_ms`, `reversed_ms`: the same with each request's blocks in runs of RUN adjacent blocks (the runs
+  scattered), ascending as the block pool hands out a run an earlier request freed, and descending as the free
+  queue holds it (freed tail first): adjacent blocks read in ascending order are what the memory system streams
+  best;
 - `hot_ms`: the same calls with every request's table cycling through the same HOT_BLOCKS blocks, so the same
   arithmetic runs on keys and values already in L1/L2: what the kernel costs with no memory traffic;
 - `floor_ms`: the keys and values a step reads (B x L x 3 heads x 2 x 64 x 2 or 4 bytes x 30) over the streaming
@@ -30,6 +34,7 @@ from hybridserve.models.layers.native import load_paged_attention
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 HOT_BLOCKS = 4  # the blocks every hot table cycles through
+RUN = 8  # adjacent blocks per run in the runs_ms and reversed_ms tables
 
 
 def row(
@@ -37,9 +42,13 @@ def row(
 ) -> dict[str, object]:
     kernel = load_paged_attention(dtype, HEAD_DIM, BLOCK, Q_HEADS // KV_HEADS)
     per_request = -(-context // BLOCK)
-    num_blocks = batch * per_request
+    runs = -(-per_request // RUN)
+    num_blocks = batch * runs * RUN
     caches = [torch.randn(2, KV_HEADS, num_blocks, BLOCK, HEAD_DIM, generator=gen).to(dtype) for _ in range(LAYERS)]
-    tables = torch.randperm(num_blocks, generator=gen).view(batch, per_request)
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * per_request].view(batch, per_request)
+    starts = torch.randperm(batch * runs, generator=gen).view(batch, runs, 1) * RUN
+    in_runs = (starts + torch.arange(RUN)).view(batch, runs * RUN)[:, :per_request].contiguous()
+    reversed_runs = (starts + torch.arange(RUN - 1, -1, -1)).view(batch, runs * RUN)[:, :per_request].contiguous()
     hot = (torch.arange(per_request) % HOT_BLOCKS).expand(batch, per_request).contiguous()
     lens = torch.full((batch,), context, dtype=torch.int64)
     qkv = torch.randn(batch, Q_HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -50,6 +59,8 @@ def row(
             kernel.decode(q, cache, table, lens, scale)
 
     step_ms = 1000 * median_s(lambda: step(tables), repeats)
+    runs_ms = 1000 * median_s(lambda: step(in_runs), repeats)
+    reversed_ms = 1000 * median_s(lambda: step(reversed_runs), repeats)
     hot_ms = 1000 * median_s(lambda: step(hot), repeats)
     kv_bytes = batch * context * KV_HEADS * 2 * HEAD_DIM * dtype.itemsize * LAYERS
     floor_ms = kv_bytes / (read_gb_s * 1e9) * 1000
@@ -57,6 +68,8 @@ def row(
         "batch": batch,
         "context": context,
         "step_ms": round(step_ms, 3),
+        "runs_ms": round(runs_ms, 3),
+        "reversed_ms": round(reversed_ms, 3),
         "hot_ms": round(hot_ms, 3),
         "floor_ms": round(floor_ms, 3),
         "distance": round(step_ms / floor_ms, 2),
@@ -89,7 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     panels = {
         f"context {c}": {
             name: [(int(str(r["batch"])), float(str(r[key]))) for r in rows if r["context"] == c]
-            for name, key in (("kernel", "step_ms"), ("tiles in cache", "hot_ms"), ("read floor", "floor_ms"))
+            for name, key in (
+                ("blocks scattered", "step_ms"),
+                (f"runs of {RUN}, ascending", "runs_ms"),
+                (f"runs of {RUN}, descending", "reversed_ms"),
+                ("blocks in cache", "hot_ms"),
+                ("read floor", "floor_ms"),
+            )
         }
         for c in args.contexts
     }

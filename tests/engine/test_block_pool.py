@@ -66,8 +66,18 @@ def test_freed_first_is_handed_out_first() -> None:
     pool.release([a[3], a[1], a[4]])  # free queue: 3, 1, 4
     assert ids(pool.allocate(1)) == [3]
     pool.release([a[0]])  # free queue: 1, 4, 0
-    assert ids(pool.allocate(3)) == [1, 4, 0]
+    assert ids(pool.allocate(2)) == [1, 4]  # the queue's first two (in ascending id order)
+    assert ids(pool.allocate(1)) == [0]
     assert pool.num_free == 0
+    pool.check_integrity()
+
+
+def test_one_call_hands_out_ascending_ids() -> None:
+    pool = BlockPool(6)
+    a = pool.allocate(6)
+    pool.release(list(reversed(a[1:5])))  # free queue: 4, 3, 2, 1 (a request's run, freed tail first)
+    assert ids(pool.allocate(3)) == [2, 3, 4]  # the first three freed, in the order attention reads best
+    assert ids(pool.allocate(1)) == [1]
     pool.check_integrity()
 
 

@@ -180,9 +180,9 @@ def test_freed_cached_blocks_are_evicted_when_new_blocks_are_needed() -> None:
     admit(kv, a)  # blocks 0, 1, 2, all cached
     kv.free(a)
     h = hash_blocks(P, BS)
-    b = make("b", list(range(500, 516)))  # 4 new blocks: every free block, the never-used one first
+    b = make("b", list(range(500, 516)))  # 4 new blocks: every free block (handed out in ascending id order)
     admit(kv, b)
-    assert kv.block_ids("b") == [3, 2, 1, 0]
+    assert kv.block_ids("b") == [0, 1, 2, 3]
     assert [kv.pool.lookup(x) for x in h] == [None, None, None]
     assert kv.pool.num_free == 0
     kv.check_integrity()
@@ -201,6 +201,21 @@ def test_free_releases_the_tail_first() -> None:
     assert kv.block_ids("c") == [1]
     assert [kv.pool.lookup(x) is not None for x in h] == [True, False, False]
     assert len(kv.find_cached_prefix(make("d", P))) == 1  # the shared prefix outlived the tail
+    kv.check_integrity()
+
+
+def test_a_freed_run_is_reused_in_ascending_order() -> None:
+    """A request's blocks go back tail first, yet the next request that takes them gets them in ascending order,
+    so its keys lie in memory in the order attention reads them."""
+    kv = KVCacheManager(6, BS, enable_prefix_caching=True)
+    admit(kv, make("x", [7]))  # block 0, held throughout
+    a = make("a", P + [1])  # blocks 1 .. 4
+    admit(kv, a)
+    assert kv.block_ids("a") == [1, 2, 3, 4]
+    kv.free(a)  # free queue: 5 (never used), then 4, 3, 2, 1
+    admit(kv, make("b", list(range(600, 616))))
+    assert kv.block_ids("b") == [2, 3, 4, 5]  # the queue's first four, ascending; block 1 (a's first) is still cached
+    assert kv.pool.lookup(hash_blocks(P, BS)[0]) is not None
     kv.check_integrity()
 
 
