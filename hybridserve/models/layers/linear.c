@@ -45,13 +45,18 @@ void linear_pack_f32(const float* w, int64_t n, int64_t k, float* packed) {
     }
 }
 
-/* One MR x NR tile (mr <= MR rows): y[r, c] = sum_i x[r, i] * panel[i, c] (+ bias[c]) for the ncols valid. */
+/* One MR x NR tile (mr <= MR rows): y[r, c] = sum_i x[r, i] * panel[i, c] (+ bias[c]) for the ncols valid.
+ * next: a panel to bring into L2 meanwhile, its row i with row i of this one (NULL: none). */
 static inline __attribute__((always_inline)) void tile(int mr, const float* x, int64_t x_stride,
-                                                       const float* panel, int64_t k, const float* bias,
-                                                       float* y, int64_t y_stride, int64_t ncols) {
+                                                       const float* panel, const float* next, int64_t k,
+                                                       const float* bias, float* y, int64_t y_stride,
+                                                       int64_t ncols) {
     vf acc[MR][2];
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = (vf){0};
     for (int64_t i = 0; i < k; i++) {
+        if (next != 0)
+            for (int line = 0; line < NR * (int)sizeof(float); line += 64)
+                __builtin_prefetch((const char*)(next + i * NR) + line, 0, 2);
         const vf b0 = *(const vf*)(panel + i * NR);
         const vf b1 = *(const vf*)(panel + i * NR + VW);
         for (int r = 0; r < mr; r++) {
@@ -79,15 +84,14 @@ static inline __attribute__((always_inline)) void tile(int mr, const float* x, i
 }
 
 /* The tile for the mr left, each a copy with its loops unrolled for that count. */
-static void tile_rows(int mr, const float* x, int64_t x_stride, const float* panel, int64_t k, const float* bias,
-                      float* y, int64_t y_stride, int64_t ncols) {
+static void tile_rows(int mr, const float* x, int64_t x_stride, const float* panel, const float* next, int64_t k,
+                      const float* bias, float* y, int64_t y_stride, int64_t ncols) {
     switch (mr) {
-        case 6: tile(6, x, x_stride, panel, k, bias, y, y_stride, ncols); break;
-        case 5: tile(5, x, x_stride, panel, k, bias, y, y_stride, ncols); break;
-        case 4: tile(4, x, x_stride, panel, k, bias, y, y_stride, ncols); break;
-        case 3: tile(3, x, x_stride, panel, k, bias, y, y_stride, ncols); break;
-        case 2: tile(2, x, x_stride, panel, k, bias, y, y_stride, ncols); break;
-        default: tile(1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;
+#define ROWS(n) \
+    case n: tile(n, x, x_stride, panel, next, k, bias, y, y_stride, ncols); break;
+        ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2)
+#undef ROWS
+        default: tile(1, x, x_stride, panel, next, k, bias, y, y_stride, ncols); break;
     }
 }
 
@@ -103,10 +107,13 @@ void linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const fl
 #pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < panels; p++) {
             const int64_t col = p * NR, ncols = n - col < NR ? n - col : NR;
+            /* The first row tile brings in the next panel (this thread's next one under the static split): a
+             * tile's arithmetic and the next panel's read from memory overlap instead of taking turns. */
+            const float* next = p + 1 < panels ? packed + (p + 1) * k * NR : 0;
             for (int64_t r = m0; r < m1; r += MR) {
                 const int mr = (int)(m1 - r < MR ? m1 - r : MR);
-                tile_rows(mr, x + r * x_stride, x_stride, packed + p * k * NR, k, bias == 0 ? 0 : bias + col,
-                          y + r * n + col, n, ncols);
+                tile_rows(mr, x + r * x_stride, x_stride, packed + p * k * NR, r == m0 ? next : 0, k,
+                          bias == 0 ? 0 : bias + col, y + r * n + col, n, ncols);
             }
         }
     }
@@ -245,15 +252,16 @@ static inline __attribute__((always_inline)) __m256i madd_add(__m256i acc, __m25
 }
 
 /* The bounds of rows r0 .. r0 + mr - 1 against one int8 panel (columns col ..): their upper bounds stored,
- * their lower bounds into this thread's best. */
+ * their lower bounds into this thread's best. next: a panel to bring into L2 meanwhile (NULL: none). */
 static inline __attribute__((always_inline)) void argmax_f32_tile(int mr, int64_t r0, int64_t m, const int8_t* panel,
-                                                                  int64_t k, int64_t k2, const float* meta,
-                                                                  int64_t padded, int64_t col, int64_t n,
-                                                                  const argmax_f32_work* w, int thread) {
+                                                                  const int8_t* next, int64_t k, int64_t k2,
+                                                                  const float* meta, int64_t padded, int64_t col,
+                                                                  int64_t n, const argmax_f32_work* w, int thread) {
     __m256i acc[FQMR][2];
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     const int16_t* xq = w->xq + r0 * 2 * k2;
     for (int64_t i = 0; i < k2; i++) {
+        if (next != 0 && i % 2 == 0) __builtin_prefetch(next + i * FQP * 2, 0, 2); /* a line: two of its rows */
         const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(panel + i * FQP * 2)));
         const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(panel + i * FQP * 2 + 16)));
         for (int r = 0; r < mr; r++) {
@@ -293,15 +301,15 @@ static inline __attribute__((always_inline)) void argmax_f32_tile(int mr, int64_
     }
 }
 
-static void argmax_f32_tile_rows(int mr, int64_t r0, int64_t m, const int8_t* panel, int64_t k, int64_t k2,
-                                 const float* meta, int64_t padded, int64_t col, int64_t n, const argmax_f32_work* w,
-                                 int thread) {
+static void argmax_f32_tile_rows(int mr, int64_t r0, int64_t m, const int8_t* panel, const int8_t* next, int64_t k,
+                                 int64_t k2, const float* meta, int64_t padded, int64_t col, int64_t n,
+                                 const argmax_f32_work* w, int thread) {
     switch (mr) {
 #define ROWS(rows) \
-    case rows: argmax_f32_tile(rows, r0, m, panel, k, k2, meta, padded, col, n, w, thread); break;
+    case rows: argmax_f32_tile(rows, r0, m, panel, next, k, k2, meta, padded, col, n, w, thread); break;
         ROWS(5) ROWS(4) ROWS(3) ROWS(2)
 #undef ROWS
-        default: argmax_f32_tile(1, r0, m, panel, k, k2, meta, padded, col, n, w, thread); break;
+        default: argmax_f32_tile(1, r0, m, panel, next, k, k2, meta, padded, col, n, w, thread); break;
     }
 }
 
@@ -315,7 +323,7 @@ static void argmax_f32_exact_best(const float* x, int64_t k, const float* w, con
         for (int64_t i = 0; i < k; i++) panel[i * NR + j] = row[i];
     }
     float exact[NR];
-    tile(1, x, k, panel, k, 0, exact, NR, NR);
+    tile(1, x, k, panel, 0, k, 0, exact, NR, NR);
     for (int j = 0; j < nc; j++)
         if (exact[j] > *best || (exact[j] == *best && cand[j] < *best_col)) *best = exact[j], *best_col = cand[j];
 }
@@ -340,9 +348,11 @@ int64_t linear_argmax_f32(const float* x, int64_t x_stride, int64_t m, int64_t k
         const int thread = omp_get_thread_num();
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
+            const int8_t* next = p + 1 < panels ? q + (p + 1) * k2 * FQP * 2 : 0; /* as linear_f32's */
             for (int64_t t = 0, r = 0; t < tiles; t++) {
                 const int mr = (int)(base + (t < extra));
-                argmax_f32_tile_rows(mr, r, m, q + p * k2 * FQP * 2, k, k2, meta, meta_rows, p * FQP, n, &w, thread);
+                argmax_f32_tile_rows(mr, r, m, q + p * k2 * FQP * 2, t == 0 ? next : 0, k, k2, meta, meta_rows,
+                                     p * FQP, n, &w, thread);
                 r += mr;
             }
         }
