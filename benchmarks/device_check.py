@@ -6,7 +6,10 @@ then on the chosen device:
      and decode (float32);
   2. greedy tokens equal transformers' argmax for 32 steps;
   3. batch invariance: 16 prompts alone, batched, in tiny prefill chunks, under preemption, on prefix hits;
-  4. decode throughput (bfloat16) at batch 1, 64 and 256.
+  4. decode throughput (bfloat16) at batch 1, 64 and 256, decode steps replayed from CUDA graphs and launched op
+     by op (--no-cuda-graphs), and whether both give the same tokens.
+
+Stages 1-3 run with the engine's defaults, so on CUDA their decode steps replay CUDA graphs.
 
     python benchmarks/device_check.py --tokenizer DIR [--device cuda] [--out results.json]
 
@@ -99,6 +102,7 @@ def invariance(model_dir: Path, device: str, report: dict) -> None:
         "tiny_chunks": dict(long_prefill_token_threshold=5, max_num_batched_tokens=24),
         "preemption": dict(block_size=4, num_kv_blocks=40),
         "prefix_hits": dict(block_size=8),
+        "no_cuda_graphs": dict(cuda_graphs=False),
     }
     for name, kwargs in setups.items():
         llm = LLM(str(model_dir), dtype="float32", device=device, **kwargs)
@@ -112,32 +116,52 @@ def invariance(model_dir: Path, device: str, report: dict) -> None:
 
 
 def decode_speed(model_dir: Path, device: str, report: dict) -> None:
-    core = EngineCore(
-        EngineConfig(dtype="bfloat16", device=device, max_num_seqs=256, max_num_batched_tokens=16384), model_dir
-    )
-    for batch in (1, 64, 256):
-        for i in range(batch):
-            core.add_request(
-                EngineCoreRequest(
-                    f"b{batch}-{i}",
-                    list(range(100 + i, 145 + i)),
-                    SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True),
-                    [],
-                    0.0,
+    """bfloat16 decode steps at batch 1, 64 and 256, with CUDA graphs (the default) and without: median step
+    times, and whether both give the same greedy tokens."""
+    runs: dict[tuple[int, bool], dict[str, list[int]]] = {}
+    for graphs in (True, False):
+        core = EngineCore(
+            EngineConfig(
+                dtype="bfloat16", device=device, max_num_seqs=256, max_num_batched_tokens=16384, cuda_graphs=graphs
+            ),
+            model_dir,
+        )
+        suffix = "" if graphs else "_eager"
+        for batch in (1, 64, 256):
+            for i in range(batch):
+                core.add_request(
+                    EngineCoreRequest(
+                        f"b{batch}-{i}",
+                        list(range(100 + i, 145 + i)),
+                        SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True),
+                        [],
+                        0.0,
+                    )
                 )
-            )
-        core.step()  # prefill
-        times = []
-        while core.has_work():
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            core.step()
-            times.append(time.perf_counter() - t)
-        times.sort()
-        step = times[len(times) // 2]
-        report[f"decode_bf16_batch{batch}_step_ms"] = round(step * 1000, 2)
-        report[f"decode_bf16_batch{batch}_tok_s"] = round(batch / step, 1)
+            tokens: dict[str, list[int]] = {}
+            times = []
+            first = True
+            while core.has_work():
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                outputs = core.step().outputs
+                if not first:  # the first step is the prefill
+                    times.append(time.perf_counter() - t)
+                first = False
+                for out in outputs:
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            times.sort()
+            step = times[len(times) // 2]
+            report[f"decode_bf16_batch{batch}{suffix}_step_ms"] = round(step * 1000, 2)
+            report[f"decode_bf16_batch{batch}{suffix}_tok_s"] = round(batch / step, 1)
+            runs[batch, graphs] = tokens
+        captured = core.runner.decode_graphs
+        if graphs:
+            report["cuda_graphs_captured"] = sorted(captured.graphs) if captured is not None else None
+            report["cuda_graphs_disabled"] = captured.disabled if captured is not None else "not used"
+    for batch in (1, 64, 256):
+        report[f"graph_tokens_equal_eager_batch{batch}"] = runs[batch, True] == runs[batch, False]
 
 
 def main() -> None:

@@ -131,6 +131,12 @@ class EngineConfig:
         "built at start-up with the system C compiler ($CC, default cc); PyTorch ops if they cannot be built, and "
         "always on CUDA",
     )
+    cuda_graphs: bool = setting(
+        True,
+        "on CUDA, replay decode-only steps of Llama-family models from CUDA graphs, captured the first time a step "
+        "needs its padded batch size and block-table width (launching each op on its own bounds a small model's "
+        "step); --no-cuda-graphs launches every op of every step, as vLLM's --enforce-eager",
+    )
     speculative_config: SpeculativeConfig | None = setting(
         None,
         'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '

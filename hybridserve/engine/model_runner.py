@@ -18,14 +18,20 @@ from pathlib import Path
 import torch
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine import roofline
+from hybridserve.engine import decode_graphs, roofline
 from hybridserve.engine.cache.state_tensors import StateTensors
 from hybridserve.engine.plan import ScheduledRequest, SchedulerOutput
 from hybridserve.engine.prompt_logprobs import PromptLogprobs
 from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
 from hybridserve.engine.structured_output import TokenMask
 from hybridserve.models.cache_specs import AttentionSpec, CacheLayout, LinearStateSpec
-from hybridserve.models.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, StateMetadata
+from hybridserve.models.layers.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillChunk,
+    StateMetadata,
+    decode_bias,
+)
 from hybridserve.models.layers.linear import can_pack, pack_linears
 from hybridserve.models.layers.native import (
     FusedOps,
@@ -124,10 +130,18 @@ class ModelRunner:
                 f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is smaller than one KV block "
                 f"({self.layout.bytes_per_block} bytes)"
             )
-        # The KV cache and a hybrid model's state pool: with kv_cache_prefault every page written now.
+        graphs = (
+            config.cuda_graphs
+            and decode_graphs.available(self.device)
+            and getattr(model, "graph_capturable", False)
+            and not self.layout.state_specs
+        )
+        # The KV cache and a hybrid model's state pool: with kv_cache_prefault every page written now. With decode
+        # graphs the cache has one block past the pool's, for the padding rows' writes.
         alloc = functools.partial(zeroed, prefault=config.kv_cache_prefault)
         start = time.perf_counter()
-        paged = iter([alloc(s.shape(self.num_blocks), s.dtype, self.device) for s in self.layout.paged_specs])
+        physical = self.num_blocks + (1 if graphs else 0)
+        paged = iter([alloc(s.shape(physical), s.dtype, self.device) for s in self.layout.paged_specs])
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             self.num_blocks,
@@ -166,6 +180,20 @@ class ModelRunner:
         if config.native_kernels and self.device.type == "cpu":
             self._load_native_kernels()
         self.sampler = Sampler(self.vocab_size, self.fused_ops)
+        self.decode_graphs: decode_graphs.DecodeGraphs | None = None
+        if graphs:
+            max_len = min(config.max_model_len or self.max_position, self.max_position)
+            self.decode_graphs = decode_graphs.DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.block_size,
+                config.max_num_seqs,
+                -(-max_len // self.block_size),
+                self.num_blocks,
+                self.dtype,
+                self.device,
+            )
+            logger.info("decode-only steps replay CUDA graphs, captured per padded shape as steps first need them")
         self.requests: dict[str, _RunnerRequest] = {}  # every request an earlier plan scheduled and none finished
 
     def weight_read_tokens(self) -> float:
@@ -326,15 +354,29 @@ class ModelRunner:
             lens = torch.tensor(decode_lens, device=dev)
             bias = None  # the native kernel stops at each request's length by itself
             if self.attention_kernels is None:
-                visible = torch.arange(width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
-                bias = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
-                bias = bias.unsqueeze(1)
+                bias = decode_bias(lens, torch.arange(width * bs, device=dev), self.dtype)
             decode = DecodeGroup(torch.tensor(decode_rows, device=dev), tables, tables.flatten(), lens, bias)
         states = None
         if self.state_tensors is not None:
             decode_slots = torch.tensor(decode_states, device=dev) if decode_states else None
             states = StateMetadata(decode_slots, prefill_states, self.state_kernel)
         return AttentionMetadata(torch.tensor(slots, device=dev), decode, prefills, states, self.attention_kernels)
+
+    def _graph_inputs(self, plan: SchedulerOutput) -> tuple[list[int], list[list[int]], list[int]] | None:
+        """Cache slots, block tables and context lengths of a decode-only plan (one token a request, no drafts),
+        as attention_metadata gives them to the eager step; None for any other plan."""
+        bs = self.block_size
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        lens: list[int] = []
+        for s in plan.scheduled:
+            if s.num_tokens != 1 or s.num_draft:
+                return None
+            table = self.requests[s.request_id].block_ids
+            slots.append(table[s.start // bs] * bs + s.start % bs)
+            tables.append(table[: s.start // bs + 1])
+            lens.append(s.start + 1)
+        return slots, tables, lens
 
     @torch.inference_mode()
     def forward(self, plan: SchedulerOutput) -> torch.Tensor:
@@ -357,7 +399,10 @@ class ModelRunner:
         for s in plan.scheduled:
             ids.extend(s.token_ids)
             positions.extend(range(s.start, s.start + s.num_tokens))
-        if ids:
+        hidden = None
+        if ids and self.decode_graphs is not None and (inputs := self._graph_inputs(plan)) is not None:
+            hidden = self.decode_graphs.run(ids, positions, *inputs)  # None once a capture has failed
+        if hidden is None and ids:
             meta = self.attention_metadata(plan)
             hidden = self.model(
                 torch.tensor(ids, device=self.device),
@@ -365,7 +410,7 @@ class ModelRunner:
                 self.kv_caches,
                 meta,
             )
-        else:
+        elif hidden is None:
             hidden = torch.empty(0, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
         if states is not None:
             for slot, snapshot in plan.save_snapshots:

@@ -102,6 +102,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # Checkpoint projections computed as one matmul each (see loader.safetensors.pack).
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    # A decode-only step is tensor ops over the attention metadata alone, with no host synchronisation, so a CUDA
+    # graph can record it (engine/decode_graphs.py).
+    graph_capturable = True
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()

@@ -65,6 +65,14 @@ class AttentionMetadata:
     workspace: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
 
+def decode_bias(context_lens: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, L] for DecodeGroup.bias: 0 where a key's position (`key_positions`, [L]) is below the request's
+    context length (`context_lens`, [B]), -inf elsewhere."""
+    visible = key_positions.unsqueeze(0) < context_lens.unsqueeze(1)
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return bias.masked_fill_(~visible, float("-inf")).unsqueeze(1)
+
+
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """cache: [2, kv_heads, num_blocks, block_size, head_dim]; k, v: [T, kv_heads, head_dim]."""
     flat = cache.view(2, cache.shape[1], -1, cache.shape[-1])
