@@ -7,6 +7,9 @@ let a hybrid model resume exactly from a snapshot.
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -215,3 +218,34 @@ def test_kv_cache_prefault_writes_a_hybrid_models_state_pool_too(kimi_linear_dir
     for tensor in (t for layer in (*state.slots, *state.snapshots) for t in layer):
         size, resident = _resident_bytes(tensor)
         assert resident == size, f"{resident} of {size} bytes resident"
+
+
+_FREED = """
+import sys, torch
+from hybridserve.engine.model_runner import keep_freed_buffers
+if sys.argv[1] == "keep":
+    assert keep_freed_buffers()
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 // 2**20
+buffer = torch.ones(3 * 2**21)  # 24 MiB, written
+held = rss_mib()
+del buffer
+print(held - rss_mib())
+"""
+
+
+def test_freed_step_buffers_stay_for_the_next_step() -> None:
+    """keep_freed_buffers (the runner calls it on CPU): a freed 24 MiB buffer, a step's activations, stays in the
+    process for the next step. By default glibc hands it back to the kernel, and the next step's pages fault in
+    again one by one."""
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+
+    def released_mib(mode: str) -> int:
+        run = subprocess.run([sys.executable, "-c", _FREED, mode], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        return int(run.stdout)
+
+    assert released_mib("default") == 24
+    assert released_mib("keep") == 0
