@@ -1,14 +1,17 @@
-"""Prefill attention: the native bf16 kernel against PyTorch's SDPA, one layer and a whole prefill.
+"""Prefill attention: the native kernel against PyTorch's SDPA, one layer and a whole prefill.
 
-    python -m benchmarks.prefill_attention [--lengths 128,512,1024,2048] [--repeats 10] [--out benchmarks/results]
+    python -m benchmarks.prefill_attention [--dtype float32] [--lengths 128,512,1024,2048] [--repeats 10]
+        [--out benchmarks/results]
 
-Needs a CPU with AVX512-BF16 (where the engine prefills natively). For each prompt length L:
+--dtype: the engine's choice on this CPU by default (bfloat16 with AVX512-BF16, where the bf16 kernel runs; else
+float32, whose kernel runs on any CPU). For each prompt length L:
 - one layer of the default model's attention (9 query heads, 3 KV heads, head_dim 64, 16-token blocks) over a
   random cache: `PagedAttention.prefill` against `F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`
   on the same queries, keys and values, the median of `--repeats` calls, with the causal FLOPs per second;
 - a whole prefill of L random tokens (one request, `max_tokens=1`) by one engine, the native prefill switched
   off and on in turns (`attention_kernels.prefills`), the median of `--repeats` each: the in-process TTFT.
-Writes <out>/prefill_attention.csv and .png and prints a markdown table; progress goes to stderr.
+Writes <out>/prefill_attention.csv and .png (prefill_attention_float32.* in float32) and prints a markdown
+table; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 
 from benchmarks.report import median_s, say, write_csv
 from hybridserve.engine.llm import LLM
+from hybridserve.engine.model_runner import choose_dtype
 from hybridserve.models.layers.native import load_paged_attention
 from hybridserve.sampling_params import SamplingParams
 
@@ -30,12 +34,12 @@ Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SIDES = (("sdpa", False), ("native", True))  # the column name, and whether the native prefill is on
 
 
-def layer_row(length: int, repeats: int, gen: torch.Generator) -> dict[str, object]:
-    kernel = load_paged_attention(torch.bfloat16, HEAD_DIM, BLOCK, Q_HEADS // KV_HEADS)
+def layer_row(length: int, repeats: int, gen: torch.Generator, dtype: torch.dtype) -> dict[str, object]:
+    kernel = load_paged_attention(dtype, HEAD_DIM, BLOCK, Q_HEADS // KV_HEADS)
     blocks = -(-length // BLOCK)
-    cache = torch.randn(2, KV_HEADS, blocks, BLOCK, HEAD_DIM, generator=gen).bfloat16()
+    cache = torch.randn(2, KV_HEADS, blocks, BLOCK, HEAD_DIM, generator=gen).to(dtype)
     table = torch.randperm(blocks, generator=gen)
-    q = torch.randn(length, Q_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    q = torch.randn(length, Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
     keys, values = (cache[i][:, table].reshape(KV_HEADS, -1, HEAD_DIM)[:, :length].unsqueeze(0) for i in (0, 1))
     qs = q.transpose(0, 1).unsqueeze(0)
     scale = HEAD_DIM**-0.5
@@ -75,20 +79,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=lambda s: [int(n) for n in s.split(",")], default=[128, 512, 1024, 2048])
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the engine's choice on this CPU")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
-    if not load_paged_attention(torch.bfloat16, HEAD_DIM, BLOCK, Q_HEADS // KV_HEADS).prefills:
-        raise SystemExit("this CPU has no AVX512-BF16: the engine prefills with SDPA here, nothing to compare")
+    dtype = choose_dtype(args.dtype or "auto", torch.device("cpu"))
+    if not load_paged_attention(dtype, HEAD_DIM, BLOCK, Q_HEADS // KV_HEADS).prefills:
+        raise SystemExit(f"no native {dtype} prefill kernel on this CPU (bf16 needs AVX512-BF16): nothing to compare")
     gen = torch.Generator().manual_seed(0)
-    llm = LLM(None, dtype="bfloat16", enable_prefix_caching=False, max_model_len=max(args.lengths) + 16)
+    name = str(dtype).removeprefix("torch.")
+    llm = LLM(None, dtype=name, enable_prefix_caching=False, max_model_len=max(args.lengths) + 16)
     rows = []
     for length in args.lengths:
-        say(f"prefill attention at {length} tokens")
-        row = layer_row(length, args.repeats, gen) | prefill_ms(llm, length, args.repeats, gen)
+        say(f"prefill attention at {length} tokens ({name})")
+        row = layer_row(length, args.repeats, gen, dtype) | prefill_ms(llm, length, args.repeats, gen)
         say(f"  {row}")
         rows.append(row)
-    write_csv(rows, args.out / "prefill_attention.csv")
-    plot(rows, args.out / "prefill_attention.png")
+    stem = "prefill_attention" if dtype == torch.bfloat16 else f"prefill_attention_{name}"
+    write_csv(rows, args.out / f"{stem}.csv")
+    plot(rows, args.out / f"{stem}.png", name)
     fields = list(rows[0])
     print("| " + " | ".join(fields) + " |\n|" + "---|" * len(fields))
     for row in rows:
@@ -96,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def plot(rows: list[dict[str, object]], path: Path) -> None:
+def plot(rows: list[dict[str, object]], path: Path, dtype: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,7 +115,7 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
     for side, _ in SIDES:
         left.plot(lengths, [float(str(r[f"{side}_gflop_s"])) for r in rows], marker="o", label=side)
         right.plot(lengths, [float(str(r[f"prefill_{side}_ms"])) for r in rows], marker="o", label=side)
-    left.set(xlabel="prompt tokens", ylabel="GFLOP/s", title="one layer's causal attention (bf16)")
+    left.set(xlabel="prompt tokens", ylabel="GFLOP/s", title=f"one layer's causal attention ({dtype})")
     right.set(xlabel="prompt tokens", ylabel="ms", title="whole prefill, in-process (SmolLM2-135M)")
     for ax in (left, right):
         ax.legend()
