@@ -54,11 +54,10 @@ def table_widths(max_blocks: int) -> list[int]:
     return [*widths, max_blocks]
 
 
-def _bucket(sizes: list[int], n: int) -> int:
+def _bucket(sizes: list[int], n: int) -> int | None:
+    """The smallest of `sizes` that holds n, None past the largest."""
     i = bisect.bisect_left(sizes, n)
-    if i == len(sizes):
-        raise ValueError(f"{n} is beyond the largest captured size {sizes[-1]}")
-    return sizes[i]
+    return sizes[i] if i < len(sizes) else None
 
 
 class _Graph:
@@ -100,11 +99,13 @@ class DecodeGraphs:
     ) -> torch.Tensor | None:
         """Hidden states [B, hidden] of a decode-only step of B requests (one token each: its id, position, cache
         slot, block table and context length), from the graph of its padded shape; valid until the next call.
-        None if graphs are off (a capture failed): the caller runs the step eagerly."""
-        if self.disabled is not None:
-            return None
+        None if graphs are off (a capture failed) or the step is larger than any graph (more requests than
+        max_num_seqs, or a table past max_model_len): the caller runs the step eagerly."""
         b = len(token_ids)
-        graph = self._graph(_bucket(self.sizes, b), _bucket(self.widths, max(len(t) for t in tables)))
+        batch, width = _bucket(self.sizes, b), _bucket(self.widths, max(len(t) for t in tables))
+        if self.disabled is not None or batch is None or width is None:
+            return None
+        graph = self._graph(batch, width)
         if graph is None:
             return None
         pad = graph.batch - b

@@ -33,6 +33,14 @@ def test_padded_sizes() -> None:
     assert table_widths(20) == [1, 2, 4, 8, 16, 20]
 
 
+def test_a_step_larger_than_every_graph_runs_eagerly(graphed) -> None:
+    graphs = graphed.core.runner.decode_graphs
+    assert graphs is not None
+    too_many = graphs.run([0] * 17, [0] * 17, [0] * 17, [[0]] * 17, [1] * 17)  # max_num_seqs is 16
+    too_long = graphs.run([0], [0], [0], [[0] * (graphs.widths[-1] + 1)], [1])  # past max_model_len
+    assert too_many is None and too_long is None and graphs.graphs == {} and graphs.disabled is None
+
+
 def _llm(smollm2_dir, **kwargs) -> LLM:
     return LLM(
         str(smollm2_dir),
