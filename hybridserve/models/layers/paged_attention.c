@@ -767,25 +767,7 @@ int paged_prefill_available(void) {
 typedef float fvec __attribute__((vector_size(FW * sizeof(float)), aligned(sizeof(float))));
 typedef float keys_f32[HEAD_DIM][BLOCK_SIZE]; /* one block's keys, dimensions x keys; past the context: zeros */
 
-typedef int32_t ivec __attribute__((vector_size(FW * sizeof(int32_t)), aligned(sizeof(int32_t))));
 #define VALUE_STEP (HEAD_DIM / FW % 2 == 0 ? 2 : 1) /* vectors of dimensions the value sums take at a time */
-
-/* exp_approx of the FW floats at x, in place: the same steps in the same order (GCC contracts both into the same
- * FMAs), so the same bits. Spelled out because GCC leaves the scalar one scalar inside the softmax below; through
- * memory rather than by value, so no vector crosses a call boundary (an ABI warning on targets without AVX). */
-static inline void exp_approx_fw(float* x) {
-    const fvec zero = {0};
-    fvec v = *(const fvec*)x;
-    const ivec low = v < zero - 87.0f, high = v > zero + 88.0f;
-    v = (fvec)((low & (ivec)(zero - 87.0f)) | (~low & (ivec)v));
-    v = (fvec)((high & (ivec)(zero + 88.0f)) | (~high & (ivec)v));
-    const fvec k = (v * 1.44269504f + 12582912.0f) - 12582912.0f;
-    const fvec r = v - k * 0.693145752f - k * 1.42860677e-6f;
-    const fvec p =
-        1.0f + r * (1.0f + r * (0.5f + r * (1.66666672e-1f + r * (4.16666679e-2f + r * (8.33333377e-3f +
-                                                                                          r * 1.38888892e-3f)))));
-    *(fvec*)x = p * (fvec)((__builtin_convertvector(k, ivec) + 127) << 23);
-}
 
 /* The online softmax step of a tile's first nt query vectors over one block: raw scores s[r] (key t at s[r][t]),
  * the first seen[r] keys visible to row r (0: the block is past it); acc, run_max and run_sum the rows' own; the
@@ -809,8 +791,8 @@ static inline void attend_tile_f32(const float (*s)[BLOCK_SIZE], const int* seen
             if (t < visible[r]) block_max[r] = p[r][t] > block_max[r] ? p[r][t] : block_max[r];
     for (int r = 0; r < SCORE_F32_TILE; r++) {
         rescale[r] = visible[r] ? exp_approx(run_max[r] - block_max[r]) : 1.0f;
-        for (int t = 0; t < BLOCK_SIZE; t++) p[r][t] -= block_max[r];
-        for (int c = 0; c < KEY_VECTORS; c++) exp_approx_fw(p[r] + FW * c);
+#pragma omp simd /* GCC leaves exp_approx scalar here without being told */
+        for (int t = 0; t < BLOCK_SIZE; t++) p[r][t] = exp_approx(p[r][t] - block_max[r]);
         for (int t = visible[r]; t < BLOCK_SIZE; t++) p[r][t] = 0.0f;
     }
     for (int t = 0; t < BLOCK_SIZE; t++)
