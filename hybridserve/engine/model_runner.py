@@ -341,18 +341,18 @@ class ModelRunner:
             if n == 1 and not (native_prefill and start < req.prompt_len):
                 decode_states.append(s.state_slot)
                 decode_rows.append(offset)
-                decode_tables.append(table[: -(-(start + 1) // bs)])
+                decode_tables.append(_blocks(table, start + 1, bs))
                 decode_lens.append(start + 1)
             elif s.num_draft and self.state_tensors is None:
                 # A decode with drafts: a decode row per position, each seeing the keys up to its own (the step
                 # writes every key first). With recurrent state it is a chunk instead: a slot per decode row.
                 for p in range(start, start + n):
                     decode_rows.append(offset + p - start)
-                    decode_tables.append(table[: -(-(p + 1) // bs)])
+                    decode_tables.append(_blocks(table, p + 1, bs))
                     decode_lens.append(p + 1)
             elif native_prefill:  # the kernel reads every key from the cache and masks by position itself
                 prefill_states.append(s.state_slot)
-                used = table[: -(-(start + n) // bs)]
+                used = _blocks(table, start + n, bs)
                 prefills.append(PrefillChunk(offset, offset + n, start, torch.tensor(used, device=dev), None))
             elif start == 0:
                 prefill_states.append(s.state_slot)
@@ -360,7 +360,7 @@ class ModelRunner:
             else:
                 prefill_states.append(s.state_slot)
                 length = start + n
-                used = table[: -(-length // bs)]
+                used = _blocks(table, length, bs)
                 q_pos = torch.arange(start, length, device=dev).unsqueeze(1)
                 mask = torch.arange(length, device=dev).unsqueeze(0) <= q_pos
                 prefills.append(
@@ -394,7 +394,7 @@ class ModelRunner:
                 return None
             table = self.requests[s.request_id].block_ids
             slots.append(table[s.start // bs] * bs + s.start % bs)
-            tables.append(table[: s.start // bs + 1])
+            tables.append(_blocks(table, s.start + 1, bs))
             lens.append(s.start + 1)
         return slots, tables, lens
 
@@ -500,6 +500,11 @@ class ModelRunner:
                 )
         if again:
             self.forward(SchedulerOutput(again))
+
+
+def _blocks(table: list[int], length: int, block_size: int) -> list[int]:
+    """The blocks of `table` that hold a request's first `length` tokens."""
+    return table[: -(-length // block_size)]
 
 
 @dataclass(eq=False)
