@@ -18,7 +18,7 @@ from hybridserve.models import loader
 from hybridserve.models.loader import DEFAULT_MODEL_NAME, ResolvedModel, default_model_path, resolve_model
 from hybridserve.models.loader import gguf as gguf_loader
 from hybridserve.models.loader.gguf import convert_gguf
-from hybridserve.models.loader.safetensors import load_config, load_state_dict
+from hybridserve.models.loader.safetensors import load_config, load_state_dict, pack
 
 PROMPT = "What is the capital of France?"
 CPU = torch.device("cpu")
@@ -60,6 +60,19 @@ def test_state_dict_matches_transformers(converted: Path, reference_model: torch
     for name, tensor in reference.items():
         assert ours[name].shape == tensor.shape, name
         assert torch.equal(ours[name], tensor), name
+
+
+def test_q4_1_blocks_of_the_projections_give_their_float32_weights(converted: Path) -> None:
+    """The default model's projections are Q4_1 in its GGUF: the conversion keeps their blocks, rows in the HF
+    weight's order (Q and K un-permuted like the weights), and dequantized they are the converted weights."""
+    blocks = gguf_loader.q4_1_blocks(converted)
+    weights = load_state_dict(converted, torch.float32, CPU)
+    projections = [n for n in weights if n.endswith("_proj.weight")]
+    assert len(projections) == 30 * 7 and sorted(blocks) == sorted(projections)
+    for name, raw in blocks.items():
+        assert raw.dtype == torch.uint8
+        floats = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q4_1)
+        assert torch.equal(torch.from_numpy(floats), weights[name]), name
 
 
 def test_config_matches_transformers(converted: Path, reference_model: torch.nn.Module) -> None:
@@ -248,6 +261,7 @@ def test_llama_with_biases_and_output_weight_round_trips(tmp_path: Path) -> None
     for name, w in original.items():
         assert torch.equal(ours[name], torch.from_numpy(w)), name
     hf_dir = next((tmp_path / "cache").iterdir())
+    assert gguf_loader.q4_1_blocks(hf_dir) == {}  # float32 tensors: no blocks
     config = AutoConfig.from_pretrained(hf_dir)
     assert (config.attention_bias, config.mlp_bias, config.tie_word_embeddings) == (True, False, False)
     with torch.device("meta"):
@@ -299,3 +313,16 @@ def test_unsupported_architecture_names_it_and_leaves_no_cache(tmp_path: Path) -
     with pytest.raises(ValueError, match=r"architecture 'gpt2'"):
         convert_gguf(tmp_path / "gpt.gguf", tmp_path / "cache")
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_fusing_projections_raises_on_a_missing_part_or_leaves_it_out() -> None:
+    """Checkpoint weights must fuse whole; a GGUF's blocks may not (a Q4_1 q_proj beside a Q6_K v_proj): those
+    fused modules are left out, with their parts."""
+    modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    parts = {f"l.{p}.weight": torch.full((2, 3), float(i)) for i, p in enumerate(("q_proj", "k_proj", "gate_proj"))}
+    parts["l.up_proj.weight"] = torch.ones(1, 3)
+    with pytest.raises(ValueError, match=r"cannot build l.qkv_proj.weight: checkpoint lacks \['l.v_proj.weight'\]"):
+        pack(parts, modules)
+    fused = pack(parts, modules, partial=True)
+    assert list(fused) == ["l.gate_up_proj.weight"]
+    assert torch.equal(fused["l.gate_up_proj.weight"], torch.tensor([[2.0] * 3] * 2 + [[1.0] * 3]))

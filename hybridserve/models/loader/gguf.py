@@ -1,4 +1,6 @@
-"""Convert a GGUF file into a cached Hugging Face-layout directory: config, float32 weights, tokenizer."""
+"""Convert a GGUF file into a cached Hugging Face-layout directory: config, float32 weights, tokenizer; and the
+Q4_1 blocks of its linear projections (Q4_1_BLOCKS), from which CPU kernels sum those weights bitwise as
+float32 from a sixth of the memory."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -27,7 +30,9 @@ from hybridserve.paths import cache_dir
 logger = logging.getLogger("hybridserve.loader")
 
 GGUF_MAGIC = b"GGUF"
-FORMAT_VERSION = 2  # part of the cache key: bump when the converted layout changes
+FORMAT_VERSION = 3  # part of the cache key: bump when the converted layout changes
+# Under the converted directory: a projection's GGUF Q4_1 blocks, uint8 [rows, K / 32 * 20] under its HF name
+Q4_1_BLOCKS = Path("gguf_blocks") / "q4_1.safetensors"
 
 
 @dataclass(frozen=True)
@@ -124,18 +129,30 @@ def write_hf_dir(path: Path, out: Path) -> None:
             raise ValueError(f"GGUF {path} has architecture {arch!r}; supported architectures are {sorted(ARCHS)}")
         config = build_config(reader, arch, spec, path)
     with phase("dequantizing tensors", path):
-        tensors = convert_tensors(reader, spec, config, path)
+        tensors, blocks = convert_tensors(reader, spec, config, path)
     if spec.model_type == "llama":
         config["attention_bias"] = complete_biases(tensors, config, ATTENTION_PROJECTIONS)
         config["mlp_bias"] = complete_biases(tensors, config, MLP_PROJECTIONS)
     with phase("writing safetensors", path):
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        if blocks:
+            (out / Q4_1_BLOCKS).parent.mkdir()
+            save_file(blocks, out / Q4_1_BLOCKS, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
     generation.update(sampling_recommendations(reader))
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     with phase("converting tokenizer", path):
         save_tokenizer(reader, path, out, config["max_position_embeddings"])
+
+
+def q4_1_blocks(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """The Q4_1 blocks a converted directory keeps for its projections, by HF parameter name ({}: none)."""
+    path = Path(hf_dir) / Q4_1_BLOCKS
+    if not path.is_file():
+        return {}
+    with safe_open(path, framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open handles are not iterable
 
 
 def field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -226,9 +243,13 @@ def unpermute_rotary(weights: np.ndarray, n_head: int) -> np.ndarray:
 
 def convert_tensors(
     reader: gguf.GGUFReader, spec: ArchSpec, config: dict[str, Any], path: Path
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The float32 tensors under their HF names, and the Q4_1 blocks of the projections' weights (rows as the
+    float32 weight's)."""
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    projections = {p.split(".")[-1] for p in ATTENTION_PROJECTIONS + MLP_PROJECTIONS}
     tensors: dict[str, torch.Tensor] = {}
+    blocks: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc=f"Dequantizing {path.name}", unit="tensor"):
         name = hf_name(tensor.name, path)
         try:
@@ -240,10 +261,14 @@ def convert_tensors(
             ) from e
         weights = weights.reshape([int(d) for d in reversed(tensor.shape)])
         projection = name.split(".")[-2]
+        raw = np.asarray(tensor.data) if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1 else None
         if spec.permute_qk and projection in heads:
             weights = unpermute_rotary(weights, heads[projection])
+            raw = None if raw is None else unpermute_rotary(raw, heads[projection])
         tensors[name] = torch.from_numpy(np.array(weights, dtype=np.float32))
-    return tensors
+        if raw is not None and projection in projections and name.endswith(".weight"):
+            blocks[name] = torch.from_numpy(np.array(raw, dtype=np.uint8))
+    return tensors, blocks
 
 
 def complete_biases(tensors: dict[str, torch.Tensor], config: dict[str, Any], projections: tuple[str, ...]) -> bool:

@@ -52,9 +52,12 @@ def load_state_dict(
     return state
 
 
-def pack(state: dict[str, torch.Tensor], packed_modules: dict[str, tuple[str, ...]]) -> dict[str, torch.Tensor]:
+def pack(
+    state: dict[str, torch.Tensor], packed_modules: dict[str, tuple[str, ...]], partial: bool = False
+) -> dict[str, torch.Tensor]:
     """Concatenate checkpoint projections into the fused modules a model computes with, e.g.
-    `*.q_proj.weight`, `*.k_proj.weight`, `*.v_proj.weight` → `*.qkv_proj.weight` (rows in that order)."""
+    `*.q_proj.weight`, `*.k_proj.weight`, `*.v_proj.weight` → `*.qkv_proj.weight` (rows in that order).
+    A fused tensor whose parts are not all there raises, or with `partial` is left out with its parts."""
     out = dict(state)
     for fused, parts in packed_modules.items():
         suffix = f".{parts[0]}."
@@ -62,7 +65,11 @@ def pack(state: dict[str, torch.Tensor], packed_modules: dict[str, tuple[str, ..
             prefix, param = name.split(suffix, 1)
             names = [f"{prefix}.{part}.{param}" for part in parts]
             missing = [n for n in names if n not in state]
-            if missing:
+            if missing and not partial:
                 raise ValueError(f"cannot build {prefix}.{fused}.{param}: checkpoint lacks {missing}")
-            out[f"{prefix}.{fused}.{param}"] = torch.cat([out.pop(n) for n in names])
+            if not missing:
+                out[f"{prefix}.{fused}.{param}"] = torch.cat([out.pop(n) for n in names])
+        if partial:  # the parts of those that could not be built
+            for name in [n for n in out if any(f".{part}." in n for part in parts)]:
+                del out[name]
     return out
