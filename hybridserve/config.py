@@ -131,6 +131,12 @@ class EngineConfig:
         "built at start-up with the system C compiler ($CC, default cc); PyTorch ops if they cannot be built, and "
         "always on CUDA",
     )
+    gguf_blocks: bool = setting(
+        True,
+        "on CPU in float32 with native kernels, sum a GGUF model's Q4_1 projection weights from their blocks, "
+        "dequantized in the cache as the matmuls need them: the same float32 sums bit for bit from a sixth of the "
+        "weight bytes (--no-gguf-blocks: float32 copies, as before)",
+    )
     cuda_graphs: bool = setting(
         True,
         "on CUDA, replay decode-only steps of Llama-family models from CUDA graphs, captured the first time a step "

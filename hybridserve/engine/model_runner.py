@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine import decode_graphs, roofline
@@ -34,7 +35,7 @@ from hybridserve.models.layers.attention import (
     StateMetadata,
     decode_bias,
 )
-from hybridserve.models.layers.linear import can_pack, pack_linears
+from hybridserve.models.layers.linear import NativeLinear, can_pack, pack_linears
 from hybridserve.models.layers.native import (
     FusedOps,
     KDADecode,
@@ -49,6 +50,7 @@ from hybridserve.models.layers.native import (
     use_native_ops,
 )
 from hybridserve.models.layers.rope import RotaryEmbedding
+from hybridserve.models.loader.gguf import q4_1_blocks
 from hybridserve.models.loader.safetensors import load_state_dict, pack
 from hybridserve.models.registry import load_config, model_class, state_adapter
 
@@ -128,7 +130,12 @@ class ModelRunner:
                 module.to(self.device, self.dtype)
         self.costs = roofline.model_costs(model)  # before the linear layers are swapped for packed ones
         if can_pack(self.device):
-            pack_linears(model, self._linear_kernels(config))
+            kernels = self._linear_kernels(config)
+            blocks = {}
+            if kernels is not None and config.gguf_blocks and self.dtype == torch.float32:
+                blocks = pack(state_adapter(cls)(q4_1_blocks(hf_dir)), model.packed_modules, partial=True)
+            pack_linears(model, kernels, blocks)
+            self._log_q4_1(model, blocks)
         self.model = model.eval()
         self.vocab_size = self.hf_config.vocab_size
         self.max_position = self.hf_config.max_position_embeddings
@@ -215,6 +222,24 @@ class ModelRunner:
             )
             logger.info("decode-only steps replay CUDA graphs, captured per padded shape as steps first need them")
         self.requests: dict[str, _RunnerRequest] = {}  # every request an earlier plan scheduled and none finished
+
+    @staticmethod
+    def _log_q4_1(model: nn.Module, blocks: dict[str, torch.Tensor]) -> None:
+        """Say how many matmuls sum their weights from GGUF Q4_1 blocks, and the bytes that saves."""
+        native = [m for m in model.modules() if isinstance(m, NativeLinear)]
+        q4 = [m for m in native if m.panels.dtype == torch.uint8]
+        if q4:
+            floats = sum(m.in_features * m.out_features * 4 for m in q4)
+            logger.info(
+                "%d of %d matmuls sum their weights from GGUF Q4_1 blocks, bitwise as float32: %.0f MiB read instead "
+                "of %.0f MiB",
+                len(q4),
+                len(native),
+                sum(m.panels.numel() for m in q4) / 1024**2,
+                floats / 1024**2,
+            )
+        elif blocks:
+            logger.warning("the model's GGUF Q4_1 blocks went unused: no matmul could be packed from them")
 
     def weight_read_tokens(self) -> float:
         """What reading this model's weights once costs on this device, in tokens' compute: measured now

@@ -9,6 +9,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.parity import chunked_logits
+from hybridserve.models.layers.linear import NativeLinear
 from hybridserve.sampling_params import SamplingParams
 
 PROMPTS = [
@@ -28,7 +29,13 @@ def runner(smollm2_dir, request) -> ModelRunner:
     )
     runner = ModelRunner(config, smollm2_dir)
     assert (runner.attention_kernels is not None) == request.param
+    # native: the default model's projections sum their weights from its GGUF Q4_1 blocks
+    assert _q4_1_matmuls(runner) == (210 // 7 * 4 if request.param else 0)
     return runner
+
+
+def _q4_1_matmuls(runner: ModelRunner) -> int:
+    return sum(isinstance(m, NativeLinear) and m.panels.dtype == torch.uint8 for m in runner.model.modules())
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +61,19 @@ def test_logits_match_transformers_at_every_position(runner, hf_model, llm, prom
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max().item() < 2e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_q4_1_blocks_give_the_float32_weights_logits_bitwise(runner, smollm2_dir, llm):
+    """Summing the projections from their GGUF Q4_1 blocks changes where the weights come from, not one bit of
+    the logits: prefill and decode against the same engine reading float32 copies."""
+    if runner.attention_kernels is None:
+        pytest.skip("Q4_1 blocks are read by the native kernels only")
+    config = EngineConfig(dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256, gguf_blocks=False)
+    floats = ModelRunner(config, smollm2_dir)
+    assert _q4_1_matmuls(floats) == 0
+    ids = _chat_ids(llm.tokenizer, PROMPTS[2])
+    cuts = [len(ids) // 2, len(ids) - 2, len(ids) - 1, len(ids)]
+    assert torch.equal(chunked_logits(runner, ids, cuts), chunked_logits(floats, ids, cuts))
 
 
 def test_greedy_tokens_match_transformers_for_64_steps(hf_model, llm):

@@ -258,6 +258,10 @@ class LinearKernels:
         self.amx = bool(_function(lib, "linear_amx_init", [], _I)())
         self._pack = {torch.float32: _function(lib, "linear_pack_f32", [_P, _I, _I, _P])}
         self._linear = {torch.float32: _function(lib, "linear_f32", [_P, _I, _I, _I, _P, _I, _P, _P])}
+        # float32 matmuls over weights kept in GGUF's Q4_1 blocks: their panels are uint8
+        self._linear[torch.uint8] = _function(lib, "linear_q4_1_f32", [_P, _I, _I, _I, _P, _I, _P, _P])
+        self._pack_q4_1 = _function(lib, "linear_q4_1_pack", [_P, _P, _I, _I, _P], _I)
+        self.q4_1_group_bytes = int(_function(lib, "linear_q4_1_group_bytes", [], _I)())
         if torch.bfloat16 in self.panel_width:
             self._pack[torch.bfloat16] = _function(lib, "linear_pack_bf16", [_P, _I, _I, _P])
             self._linear[torch.bfloat16] = _function(lib, "linear_bf16", [_P, _I, _I, _I, _P, _I, _P, _P, _I])
@@ -305,16 +309,35 @@ class LinearKernels:
         self._pack[weight.dtype](weight.data_ptr(), n, k, packed.data_ptr())
         return packed
 
+    def pack_q4_1(self, weight: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor | None:
+        """Panels of a float32 weight [N, K] from its GGUF Q4_1 blocks (uint8 [N, K / 32 * 20], rows in the
+        weight's order): uint8 [ceil(N / width), K / 32, q4_1_group_bytes], a sixth of the float32 panels' bytes,
+        which linear() sums bitwise as it sums pack(weight). None if the blocks do not give the weight bitwise."""
+        n, k = weight.shape
+        if weight.dtype != torch.float32 or blocks.dtype != torch.uint8 or k % 32 or blocks.shape != (n, k // 32 * 20):
+            raise ValueError(
+                f"Q4_1 blocks of a float32 weight [N, K] (K a multiple of 32) are uint8 [N, K / 32 * 20]; got weight "
+                f"{weight.dtype} {tuple(weight.shape)}, blocks {blocks.dtype} {tuple(blocks.shape)}"
+            )
+        width = self.panel_width[torch.float32]
+        packed = torch.empty((-(-n // width), k // 32, self.q4_1_group_bytes), dtype=torch.uint8)
+        weight, blocks = weight.contiguous(), blocks.contiguous()
+        mismatches = self._pack_q4_1(blocks.data_ptr(), weight.data_ptr(), n, k, packed.data_ptr())
+        return packed if mismatches == 0 else None
+
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, float_out: bool = False
     ) -> torch.Tensor:
-        """x: [M, K] of packed's dtype, each row contiguous; packed: pack()'s panels of W [n, K]; bias: [n]
-        float32 or None. Returns [M, n] in x's dtype, or with float_out in float32, the sums unrounded."""
+        """x: [M, K] of packed's dtype (float32 for Q4_1 panels), each row contiguous; packed: pack()'s or
+        pack_q4_1()'s panels of W [n, K]; bias: [n] float32 or None. Returns [M, n] in x's dtype, or with float_out
+        in float32, the sums unrounded."""
         m, k = x.shape
-        packed_k = k if packed.dtype == torch.float32 else -(-k // 2)  # bf16 panels hold k in pairs
-        if x.dtype != packed.dtype or packed_k != packed.shape[1] or (x.stride(1) != 1 and m > 0):
+        dtype = torch.float32 if packed.dtype == torch.uint8 else packed.dtype
+        # bf16 panels hold k in pairs, Q4_1 ones in groups of 32
+        packed_k = {torch.float32: k, torch.uint8: k / 32}.get(packed.dtype, -(-k // 2))
+        if x.dtype != dtype or packed_k != packed.shape[1] or (x.stride(1) != 1 and m > 0):
             raise ValueError(
-                f"input must be {packed.dtype} [M, K] with K the weight's ({packed.dtype} panels "
+                f"input must be {dtype} [M, K] with K the weight's ({packed.dtype} panels "
                 f"{tuple(packed.shape)}) and contiguous rows, got {x.dtype} {tuple(x.shape)} with strides {x.stride()}"
             )
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
@@ -325,8 +348,12 @@ class LinearKernels:
             if x.dtype == torch.bfloat16:
                 self._linear[x.dtype](*args, y.data_ptr(), int(float_out))
             else:
-                self._linear[x.dtype](*args, y.data_ptr())
+                self._linear[packed.dtype](*args, y.data_ptr())
         return y
+
+    def function(self, packed: torch.Tensor) -> int:
+        """The address of the C function linear() calls for these panels (decoder_stack.c calls it directly)."""
+        return ctypes.cast(self._linear[packed.dtype], _P).value or 0
 
     def can_argmax(self, weight: torch.Tensor) -> bool:
         """Whether argmax takes this weight [N, K]: bf16 with AVX512-VNNI, where linear() sums it with
@@ -457,6 +484,7 @@ class _StackLayer(ctypes.Structure):
         *((name, _P) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")),
         *((name, _P) for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "cache")),
         ("num_blocks", _I),
+        *((name, _P) for name in ("qkv_linear", "o_linear", "gate_up_linear", "down_linear")),
     ]
 
 
@@ -464,7 +492,7 @@ class _Stack(ctypes.Structure):
     """decoder_stack.c's stack record: the kernels it calls, the model's shapes, its layers."""
 
     _fields_ = [
-        *((name, _P) for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "decode", "linear")),
+        *((name, _P) for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "decode")),
         *((name, _I) for name in ("layers", "hidden", "q_heads", "kv_heads", "head_dim", "intermediate")),
         ("eps", _F),
         ("scale", _F),
@@ -525,9 +553,10 @@ class DecoderStack:
                 panels, bias = getattr(layer, field_name)
                 setattr(record, field_name, panels.data_ptr())
                 setattr(record, f"{field_name}_bias", None if bias is None else bias.data_ptr())
+                setattr(record, f"{field_name}_linear", linear.function(panels))
         kernels = (ops._add_rms_norm[dtype], ops._silu_mul[dtype], attention._rope_write_kv, attention._decode)
         self._stack = _Stack(
-            *(ctypes.cast(fn, _P).value for fn in (*kernels, linear._linear[dtype])),
+            *(ctypes.cast(fn, _P).value for fn in kernels),
             len(layers),
             self.hidden,
             q_heads,
