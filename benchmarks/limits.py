@@ -5,8 +5,8 @@
 1. The machine: streaming read bandwidth (the best of several sums over a 1 GiB tensor) and GEMM throughput
    (the best of several square matmuls of 2048, in the engine's dtype), with the engine's thread count.
 2. The floors of one decode step of the model: at batch 1 it must read every weight once (weight bytes /
-   bandwidth; the input embedding only one row, a tied head the whole matrix; a matmul kept in GGUF Q4_1 blocks
-   the bytes of its blocks); at batch B it must do the
+   bandwidth; the input embedding only one row, a tied head the whole matrix; a matmul kept in GGUF blocks the
+   bytes of its blocks); at batch B it must do the
    matmul FLOPs of B tokens (2 x matmul parameters x B, plus attention over the context) / GEMM throughput.
 3. The engine: B requests with short prompts decode in this process (EngineCore stepped directly, greedy,
    `ignore_eos`); a step is timed only once all B decode (no prefill in it). The median step time over the
@@ -104,9 +104,9 @@ def run(args: argparse.Namespace) -> tuple[Machine, list[StepRow]]:
     hf_dir = resolve_model(args.model).hf_dir
     costs, layers, width = model_costs(hf_dir)
     weight_bytes, matmul_params = costs.read_params * runner.dtype.itemsize, costs.matmul_params
-    # matmuls summing their weights from GGUF Q4_1 blocks read those, not float32 copies
-    q4 = [m for m in runner.model.modules() if isinstance(m, NativeLinear) and m.panels.dtype == torch.uint8]
-    weight_bytes -= sum(m.in_features * m.out_features * runner.dtype.itemsize - m.panels.numel() for m in q4)
+    # matmuls summing their weights from GGUF blocks read those, not float32 copies
+    packed = [m for m in runner.model.modules() if isinstance(m, NativeLinear) and m.blocks is not None]
+    weight_bytes -= sum(m.in_features * m.out_features * runner.dtype.itemsize - m.panels.numel() for m in packed)
     rows = []
     gen = torch.Generator().manual_seed(0)
     step_times(llm, 1, 4, gen)  # warm-up
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "--gguf-blocks",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="float32 matmuls read a GGUF model's Q4_1 blocks (the engine's default) or float32 copies",
+        help="float32 matmuls read a GGUF model's blocks (the engine's default) or float32 copies",
     )
     p.add_argument("--repeats", type=int, default=5, help="runs of each machine measurement (the best counts)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")

@@ -23,7 +23,7 @@ from benchmarks.report import say, write_csv
 from hybridserve.models.layers.linear import NativeLinear
 from hybridserve.models.layers.native import LinearKernels, load_linear_kernels
 from hybridserve.models.loader import resolve_model
-from hybridserve.models.loader.gguf import q4_1_blocks
+from hybridserve.models.loader.gguf import gguf_blocks
 from hybridserve.models.loader.safetensors import load_state_dict, pack
 
 PACKED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
@@ -35,7 +35,7 @@ def layers(kernels: LinearKernels) -> dict[str, list[NativeLinear]]:
     hf_dir = resolve_model(None).hf_dir
     fused = {"qkv_proj": PACKED["self_attn.qkv_proj"], "gate_up_proj": PACKED["mlp.gate_up_proj"]}
     weights = pack(load_state_dict(hf_dir, torch.float32, torch.device("cpu")), fused)
-    blocks = pack(q4_1_blocks(hf_dir), fused)
+    blocks = pack(gguf_blocks(hf_dir).get("Q4_1", {}), fused)
     if not blocks:
         raise SystemExit(f"{hf_dir} keeps no Q4_1 blocks")
     names = [f"model.layers.{i}.{p}.weight" for i in range(30) for p in PROJECTIONS]
@@ -45,8 +45,8 @@ def layers(kernels: LinearKernels) -> dict[str, list[NativeLinear]]:
         linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
         linear.weight.data = w
         sides["float32"].append(NativeLinear(linear, kernels))
-        sides["q4_1"].append(NativeLinear(linear, kernels, q4_1_blocks=blocks[name]))
-    assert all(m.panels.dtype == torch.uint8 for m in sides["q4_1"]), "blocks that do not give the weights"
+        sides["q4_1"].append(NativeLinear(linear, kernels, blocks=("Q4_1", blocks[name])))
+    assert all(m.blocks == "Q4_1" for m in sides["q4_1"]), "blocks that do not give the weights"
     return sides
 
 

@@ -50,7 +50,7 @@ from hybridserve.models.layers.native import (
     use_native_ops,
 )
 from hybridserve.models.layers.rope import RotaryEmbedding
-from hybridserve.models.loader.gguf import q4_1_blocks
+from hybridserve.models.loader.gguf import gguf_blocks
 from hybridserve.models.loader.safetensors import load_state_dict, pack
 from hybridserve.models.registry import load_config, model_class, state_adapter
 
@@ -131,11 +131,15 @@ class ModelRunner:
         self.costs = roofline.model_costs(model)  # before the linear layers are swapped for packed ones
         if can_pack(self.device):
             kernels = self._linear_kernels(config)
-            blocks = {}
+            blocks: dict[str, tuple[str, torch.Tensor]] = {}
             if kernels is not None and config.gguf_blocks and self.dtype == torch.float32:
-                blocks = pack(state_adapter(cls)(q4_1_blocks(hf_dir)), model.packed_modules, partial=True)
+                for kind, named in gguf_blocks(hf_dir).items():
+                    named = pack(state_adapter(cls)(named), model.packed_modules, partial=True)
+                    if self.hf_config.tie_word_embeddings and "model.embed_tokens.weight" in named:
+                        named["lm_head.weight"] = named.pop("model.embed_tokens.weight")
+                    blocks |= {name: (kind, tensor) for name, tensor in named.items()}
             pack_linears(model, kernels, blocks)
-            self._log_q4_1(model, blocks)
+            self._log_blocks(model, blocks)
         self.model = model.eval()
         self.vocab_size = self.hf_config.vocab_size
         self.max_position = self.hf_config.max_position_embeddings
@@ -224,22 +228,23 @@ class ModelRunner:
         self.requests: dict[str, _RunnerRequest] = {}  # every request an earlier plan scheduled and none finished
 
     @staticmethod
-    def _log_q4_1(model: nn.Module, blocks: dict[str, torch.Tensor]) -> None:
-        """Say how many matmuls sum their weights from GGUF Q4_1 blocks, and the bytes that saves."""
+    def _log_blocks(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) -> None:
+        """Say how many matmuls sum their weights from GGUF blocks, and the bytes that saves."""
         native = [m for m in model.modules() if isinstance(m, NativeLinear)]
-        q4 = [m for m in native if m.panels.dtype == torch.uint8]
-        if q4:
-            floats = sum(m.in_features * m.out_features * 4 for m in q4)
+        packed = [m for m in native if m.blocks is not None]
+        if packed:
+            kinds = sorted({m.blocks for m in packed if m.blocks is not None})
             logger.info(
-                "%d of %d matmuls sum their weights from GGUF Q4_1 blocks, bitwise as float32: %.0f MiB read instead "
+                "%d of %d matmuls sum their weights from GGUF blocks (%s), bitwise as float32: %.0f MiB read instead "
                 "of %.0f MiB",
-                len(q4),
+                len(packed),
                 len(native),
-                sum(m.panels.numel() for m in q4) / 1024**2,
-                floats / 1024**2,
+                ", ".join(kinds),
+                sum(m.panels.numel() for m in packed) / 1024**2,
+                sum(m.in_features * m.out_features * 4 for m in packed) / 1024**2,
             )
         elif blocks:
-            logger.warning("the model's GGUF Q4_1 blocks went unused: no matmul could be packed from them")
+            logger.warning("the model's GGUF blocks went unused: no matmul could be packed from them")
 
     def weight_read_tokens(self) -> float:
         """What reading this model's weights once costs on this device, in tokens' compute: measured now

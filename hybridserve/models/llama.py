@@ -141,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
                     layer.input_layernorm.weight.detach(),
                     layer.post_attention_layernorm.weight.detach(),
                     *(
-                        (m.panels, m.bias)
+                        (m.panels, m.bias, m.blocks)
                         for m in (
                             layer.self_attn.qkv_proj,
                             layer.self_attn.o_proj,

@@ -62,17 +62,20 @@ def test_state_dict_matches_transformers(converted: Path, reference_model: torch
         assert torch.equal(ours[name], tensor), name
 
 
-def test_q4_1_blocks_of_the_projections_give_their_float32_weights(converted: Path) -> None:
-    """The default model's projections are Q4_1 in its GGUF: the conversion keeps their blocks, rows in the HF
-    weight's order (Q and K un-permuted like the weights), and dequantized they are the converted weights."""
-    blocks = gguf_loader.q4_1_blocks(converted)
+def test_blocks_of_the_matmuls_give_their_float32_weights(converted: Path) -> None:
+    """The default model's projections are Q4_1 in its GGUF, its tied head (the embedding) Q8_0: the conversion
+    keeps their blocks, rows in the HF weight's order (Q and K un-permuted like the weights), and dequantized they
+    are the converted weights."""
+    blocks = gguf_loader.gguf_blocks(converted)
     weights = load_state_dict(converted, torch.float32, CPU)
     projections = [n for n in weights if n.endswith("_proj.weight")]
-    assert len(projections) == 30 * 7 and sorted(blocks) == sorted(projections)
-    for name, raw in blocks.items():
-        assert raw.dtype == torch.uint8
-        floats = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q4_1)
-        assert torch.equal(torch.from_numpy(floats), weights[name]), name
+    assert len(projections) == 30 * 7 and sorted(blocks["Q4_1"]) == sorted(projections)
+    assert list(blocks["Q8_0"]) == ["model.embed_tokens.weight"] and len(blocks) == 2
+    for kind, named in blocks.items():
+        for name, raw in named.items():
+            assert raw.dtype == torch.uint8
+            floats = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[kind])
+            assert torch.equal(torch.from_numpy(floats), weights[name]), name
 
 
 def test_config_matches_transformers(converted: Path, reference_model: torch.nn.Module) -> None:
@@ -261,7 +264,7 @@ def test_llama_with_biases_and_output_weight_round_trips(tmp_path: Path) -> None
     for name, w in original.items():
         assert torch.equal(ours[name], torch.from_numpy(w)), name
     hf_dir = next((tmp_path / "cache").iterdir())
-    assert gguf_loader.q4_1_blocks(hf_dir) == {}  # float32 tensors: no blocks
+    assert gguf_loader.gguf_blocks(hf_dir) == {}  # float32 tensors: no blocks
     config = AutoConfig.from_pretrained(hf_dir)
     assert (config.attention_bias, config.mlp_bias, config.tie_word_embeddings) == (True, False, False)
     with torch.device("meta"):

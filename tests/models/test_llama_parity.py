@@ -29,13 +29,14 @@ def runner(smollm2_dir, request) -> ModelRunner:
     )
     runner = ModelRunner(config, smollm2_dir)
     assert (runner.attention_kernels is not None) == request.param
-    # native: the default model's projections sum their weights from its GGUF Q4_1 blocks
-    assert _q4_1_matmuls(runner) == (210 // 7 * 4 if request.param else 0)
+    # native: the default model's projections and head sum their weights from its GGUF blocks
+    assert _block_matmuls(runner) == ({"Q4_1": 30 * 4, "Q8_0": 1} if request.param else {})
     return runner
 
 
-def _q4_1_matmuls(runner: ModelRunner) -> int:
-    return sum(isinstance(m, NativeLinear) and m.panels.dtype == torch.uint8 for m in runner.model.modules())
+def _block_matmuls(runner: ModelRunner) -> dict[str, int]:
+    kinds = [m.blocks for m in runner.model.modules() if isinstance(m, NativeLinear) and m.blocks is not None]
+    return {kind: kinds.count(kind) for kind in sorted(set(kinds))}
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +64,14 @@ def test_logits_match_transformers_at_every_position(runner, hf_model, llm, prom
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_q4_1_blocks_give_the_float32_weights_logits_bitwise(runner, smollm2_dir, llm):
-    """Summing the projections from their GGUF Q4_1 blocks changes where the weights come from, not one bit of
-    the logits: prefill and decode against the same engine reading float32 copies."""
+def test_gguf_blocks_give_the_float32_weights_logits_bitwise(runner, smollm2_dir, llm):
+    """Summing the matmuls from their GGUF blocks changes where the weights come from, not one bit of the logits
+    (the head's full logits included): prefill and decode against the same engine reading float32 copies."""
     if runner.attention_kernels is None:
-        pytest.skip("Q4_1 blocks are read by the native kernels only")
+        pytest.skip("GGUF blocks are read by the native kernels only")
     config = EngineConfig(dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256, gguf_blocks=False)
     floats = ModelRunner(config, smollm2_dir)
-    assert _q4_1_matmuls(floats) == 0
+    assert _block_matmuls(floats) == {}
     ids = _chat_ids(llm.tokenizer, PROMPTS[2])
     cuts = [len(ids) // 2, len(ids) - 2, len(ids) - 1, len(ids)]
     assert torch.equal(chunked_logits(runner, ids, cuts), chunked_logits(floats, ids, cuts))

@@ -156,68 +156,68 @@ def test_a_native_head_returns_float32_logits(kernels: LinearKernels, dtype: tor
     assert model.proj(torch.ones(3, 8, dtype=dtype)).dtype == dtype
 
 
-def _q4_1(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight [n, k] quantized to GGUF's Q4_1 by the gguf package: (its blocks, the float32 weight they give
-    as the GGUF loader dequantizes them). Rows of a wide range of scales, one of them with float16-subnormal ones."""
+def _blocks(kind: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [n, k] quantized to a GGUF block kind by the gguf package: (its blocks, the float32 weight they
+    give as the GGUF loader dequantizes them). Rows of a wide range of scales, one of them with float16-subnormal
+    ones."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * torch.logspace(-3, 1, n).unsqueeze(1)
     w[0] *= 1e-4
-    blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
-    floats = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[kind]
+    blocks = gguf.quants.quantize(w.numpy(), qtype)
+    floats = gguf.quants.dequantize(blocks, qtype).astype(np.float32)
     return torch.from_numpy(blocks), torch.from_numpy(floats.reshape(n, k))
 
 
+KINDS = pytest.mark.parametrize(("kind", "share"), [("Q4_1", 0.19), ("Q8_0", 0.29)])
+
+
+@KINDS
 @pytest.mark.parametrize(
     ("m", "k", "n", "bias"),
-    [
-        (1, 576, 960, False),
-        (2, 64, 49, True),
-        (7, 1536, 576, True),
-        (8, 576, 33, False),
-        (13, 32, 50, True),
-        (100, 576, 96, True),
-        (0, 64, 16, False),
-    ],
-)
-def test_q4_1_panels_sum_bitwise_as_the_float32_weights_panels(
-    kernels: LinearKernels, m: int, k: int, n: int, bias: bool
+    [(1, 576, 960, False), (2, 64, 49, True), (7, 1536, 576, True), (8, 576, 33, False), (13, 32, 50, True),
+     (100, 576, 96, True), (0, 64, 16, False)],
+)  # fmt: skip
+def test_block_panels_sum_bitwise_as_the_float32_weights_panels(
+    kernels: LinearKernels, kind: str, share: int, m: int, k: int, n: int, bias: bool
 ) -> None:
     """Below 8 rows each tile dequantizes the weights it needs, from 8 each thread expands its panels: both give
-    the sums of the float32 panels of the dequantized weight, bit for bit, from a sixth of their bytes."""
-    blocks, w = _q4_1(n, k, seed=m + n)
-    q4 = kernels.pack_q4_1(w, blocks)
-    assert q4 is not None and q4.dtype == torch.uint8
+    the sums of the float32 panels of the dequantized weight, bit for bit, from 19% (Q4_1) or 28% (Q8_0) of their
+    bytes."""
+    blocks, w = _blocks(kind, n, k, seed=m + n)
+    panels = kernels.pack_blocks(w, blocks, kind)
+    assert panels is not None and panels.dtype == torch.uint8
     floats = kernels.pack(w)
-    assert q4.numel() * 5 < floats.numel() * floats.element_size()
+    assert panels.numel() < share * floats.numel() * floats.element_size()
     gen = torch.Generator().manual_seed(k)
     x, b = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen) if bias else None
-    assert torch.equal(kernels.linear(x, q4, n, b), kernels.linear(x, floats, n, b))
+    assert torch.equal(kernels.linear(x, panels, n, b, blocks=kind), kernels.linear(x, floats, n, b))
 
 
-def test_q4_1_blocks_that_do_not_give_the_weight_are_not_used(
-    kernels: LinearKernels, caplog: pytest.LogCaptureFixture
+@KINDS
+def test_blocks_that_do_not_give_the_weight_are_not_used(
+    kernels: LinearKernels, kind: str, share: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    blocks, w = _q4_1(40, 64, seed=1)
+    blocks, w = _blocks(kind, 40, 64, seed=1)
     changed = w.clone()
     changed[17, 33] = torch.nextafter(changed[17, 33], torch.tensor(1.0))  # one weight, one ulp
-    assert kernels.pack_q4_1(changed, blocks) is None
+    assert kernels.pack_blocks(changed, blocks, kind) is None
     with caplog.at_level(logging.WARNING, logger="hybridserve.engine"):
-        layer = NativeLinear(_linear(changed), kernels, q4_1_blocks=blocks)
-    assert layer.panels.dtype == torch.float32
-    assert "Q4_1 blocks of a (40, 64) weight do not give its float32 values bitwise" in caplog.text
+        layer = NativeLinear(_linear(changed), kernels, blocks=(kind, blocks))
+    assert layer.panels.dtype == torch.float32 and layer.blocks is None
+    assert f"{kind} blocks of a (40, 64) weight do not give its float32 values bitwise" in caplog.text
     with pytest.raises(
-        ValueError, match=r"Q4_1 blocks .* got weight torch.float32 \(40, 64\), blocks torch.uint8 \(40, 20\)"
+        ValueError, match=rf"{kind} blocks .* got weight torch.float32 \(40, 64\), blocks torch.uint8 \(40, 20\)"
     ):
-        kernels.pack_q4_1(w, blocks[:, :20])
+        kernels.pack_blocks(w, blocks[:, :20], kind)
 
 
-def test_pack_linears_packs_float32_layers_from_their_q4_1_blocks(kernels: LinearKernels) -> None:
-    (b0, w0), (b1, w1) = _q4_1(64, 32, seed=2), _q4_1(16, 64, seed=3)
+def test_pack_linears_packs_float32_layers_from_their_blocks(kernels: LinearKernels) -> None:
+    (b0, w0), (b1, w1) = _blocks("Q4_1", 64, 32, seed=2), _blocks("Q8_0", 16, 64, seed=3)
     model, floats = (nn.Sequential(_linear(w0), nn.Sequential(_linear(w1))) for _ in range(2))
-    pack_linears(model, kernels, {"0.weight": b0, "1.0.weight": b1})
+    pack_linears(model, kernels, {"0.weight": ("Q4_1", b0), "1.0.weight": ("Q8_0", b1)})
     pack_linears(floats, kernels)
-    assert model[0].panels.dtype == model[1][0].panels.dtype == torch.uint8
-    assert floats[0].panels.dtype == torch.float32
+    assert (model[0].blocks, model[1][0].blocks, floats[0].blocks) == ("Q4_1", "Q8_0", None)
     x = torch.randn(3, 32)
     assert torch.equal(model(x), floats(x))
 

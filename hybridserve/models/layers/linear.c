@@ -121,23 +121,26 @@ static void tile_rows(int mr, int np, const float* x, int64_t x_stride, const fl
 /* The columns of W that panel p holds: NR, or fewer in the last panel. */
 static inline int64_t panel_cols(int64_t n, int64_t p) { return n - p * NR < NR ? n - p * NR : NR; }
 
-/* Weights kept in GGUF's Q4_1 blocks: each run of 32 weights along k is d q + m, with d and m float16 and q 4-bit
- * (0..15). d q is exact in float32 (11 bits times 4), so d q + m rounds once, whether fused or not: the float32
- * weight a GGUF loader computes is fmaf(d, q, m) bitwise. A Q4_1 panel holds per group of 32 k its NR columns' d
- * and m in float32 and their q two to a byte (byte j of a k: column j low, column j + VW high), 12 bytes a k for
- * 16 columns where float32 takes 64. Each thread expands the panels it takes into float32 ones in its cache and
- * runs the same tiles over them: the outputs are linear_f32's over the dequantized weight bitwise, from a sixth
- * of the memory traffic at decode batch sizes. */
-#define Q4_GROUP 32
-/* Rows from which a thread expands its Q4_1 panels into float32 ones rather than dequantizing them in each tile:
+/* Weights kept in GGUF's blocks, 32 weights along k a block: Q4_1, d q + m with d and m float16 and q 4-bit
+ * (0..15); Q8_0, d q with d float16 and q int8. d q is exact in float32 (11 bits times 4 or 8), so d q + m rounds
+ * once, whether fused or not: the float32 weight a GGUF loader computes is fmaf(d, q, m) (d q) bitwise. A block
+ * panel holds per group of 32 k its NR columns' d (and m) in float32, then their q: Q4_1 two to a byte (byte j of a
+ * k: column j low, column j + VW high), 12 bytes a k for 16 columns where float32 takes 64; Q8_0 a byte each, 18.
+ * Tiles dequantize each weight vector as they need it, or from Q4_EXPAND_MIN_ROWS rows each thread expands its
+ * panels into float32 ones in its cache and runs the same tiles over them: either way the outputs are linear_f32's
+ * over the dequantized weight bitwise, from 19% (28%) of the memory traffic at decode batch sizes. */
+#define BLOCK_Q4_1 0
+#define BLOCK_Q8_0 1
+#define QK 32 /* weights of a GGUF block, along k */
+/* Rows from which a thread expands its block panels into float32 ones rather than dequantizing them in each tile:
  * below, the tiles are few and the writes cost more (one row: 5.8 against 8.9 ms for a 30-layer step's matmuls). */
 #define Q4_EXPAND_MIN_ROWS 8
-#define Q4_BLOCK 20 /* GGUF's block: d, m (float16), 16 bytes of q (byte j: element j low, element j + 16 high) */
 
 typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t)), aligned(sizeof(int32_t))));
 
-/* VW bytes, each widened to an int32 lane (GCC lowers a vector conversion from bytes to scalar moves). */
-static inline vi widen_bytes(const uint8_t* q) {
+/* VW bytes, each widened to an int32 lane, as unsigned or signed (GCC lowers a vector conversion from bytes to
+ * scalar moves). */
+static inline vi widen_u8(const uint8_t* q) {
 #if defined(__AVX512F__)
     return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
 #elif defined(__AVX2__)
@@ -149,10 +152,49 @@ static inline vi widen_bytes(const uint8_t* q) {
 #endif
 }
 
-/* Bytes of a Q4_1 panel's group of 32 k: the d and m vectors, then 32 rows of VW bytes. */
-static inline int64_t q4_group_bytes(void) { return 2 * NR * (int64_t)sizeof(float) + Q4_GROUP * VW; }
+static inline vi widen_s8(const uint8_t* q) {
+#if defined(__AVX512F__)
+    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q));
+#elif defined(__AVX2__)
+    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q));
+#else
+    vi v;
+    for (int j = 0; j < VW; j++) v[j] = (int8_t)q[j];
+    return v;
+#endif
+}
 
-int64_t linear_q4_1_group_bytes(void) { return q4_group_bytes(); }
+/* Bytes of a block panel's group of 32 k: the d (and m) vectors, then 32 rows of q. */
+static inline int64_t group_bytes(int kind) {
+    return kind == BLOCK_Q4_1 ? 2 * NR * (int64_t)sizeof(float) + QK * VW : NR * (int64_t)sizeof(float) + QK * NR;
+}
+
+int64_t linear_blocks_group_bytes(int64_t kind) { return group_bytes((int)kind); }
+
+/* The weights of row i of a group, its columns 0 .. VW - 1 in *lo and VW .. NR - 1 in *hi; q: the group's q. */
+static inline __attribute__((always_inline)) void dequantize(int kind, const uint8_t* q, int i, const vf d[2],
+                                                             const vf m[2], vf* lo, vf* hi) {
+    if (kind == BLOCK_Q4_1) {
+        const vi w = widen_u8(q + i * VW);
+        *lo = d[0] * __builtin_convertvector(w & 15, vf) + m[0];
+        *hi = d[1] * __builtin_convertvector(w >> 4, vf) + m[1];
+    } else {
+        *lo = d[0] * __builtin_convertvector(widen_s8(q + i * NR), vf);
+        *hi = d[1] * __builtin_convertvector(widen_s8(q + i * NR + VW), vf);
+    }
+}
+
+/* A group's d and m vectors (m zero for Q8_0) and where its q start. */
+static inline __attribute__((always_inline)) const uint8_t* group_scales(int kind, const uint8_t* src, vf d[2],
+                                                                         vf m[2]) {
+    memcpy(d, src, 2 * sizeof(vf));
+    if (kind == BLOCK_Q8_0) {
+        m[0] = m[1] = (vf){0};
+        return src + 2 * sizeof(vf);
+    }
+    memcpy(m, src + 2 * sizeof(vf), 2 * sizeof(vf));
+    return src + 4 * sizeof(vf);
+}
 
 static float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
@@ -172,32 +214,24 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-/* tile() over Q4_1 panels (np adjacent, panel_bytes apart), each weight vector dequantized in registers as it is
+/* tile() over block panels (np adjacent, panel_bytes apart), each weight vector dequantized in registers as it is
  * needed: bitwise tile()'s over the float32 panels, without writing them out. */
-static inline __attribute__((always_inline)) void tile_q4(int mr, int np, const float* x, int64_t x_stride,
-                                                          const uint8_t* panel, int64_t k, const float* bias, float* y,
-                                                          int64_t y_stride, int64_t ncols) {
-    const int64_t gb = q4_group_bytes(), panel_bytes = k / Q4_GROUP * gb;
+static inline __attribute__((always_inline)) void tile_blocks(int kind, int mr, int np, const float* x,
+                                                              int64_t x_stride, const uint8_t* panel, int64_t k,
+                                                              const float* bias, float* y, int64_t y_stride,
+                                                              int64_t ncols) {
+    const int64_t gb = group_bytes(kind), panel_bytes = k / QK * gb;
     vf acc[MR][4];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < 2 * np; v++) acc[r][v] = (vf){0};
-    for (int64_t g = 0; g < k / Q4_GROUP; g++) {
+    for (int64_t g = 0; g < k / QK; g++) {
         vf d[4], m[4];
         const uint8_t* q[2];
-        for (int j = 0; j < np; j++) {
-            const uint8_t* src = panel + j * panel_bytes + g * gb;
-            memcpy(d + 2 * j, src, 2 * sizeof(vf));
-            memcpy(m + 2 * j, src + 2 * sizeof(vf), 2 * sizeof(vf));
-            q[j] = src + 4 * sizeof(vf);
-        }
-        const float* xg = x + g * Q4_GROUP;
-        for (int i = 0; i < Q4_GROUP; i++) {
+        for (int j = 0; j < np; j++) q[j] = group_scales(kind, panel + j * panel_bytes + g * gb, d + 2 * j, m + 2 * j);
+        const float* xg = x + g * QK;
+        for (int i = 0; i < QK; i++) {
             vf b[4];
-            for (int j = 0; j < np; j++) {
-                const vi w = widen_bytes(q[j] + i * VW);
-                b[2 * j] = d[2 * j] * __builtin_convertvector(w & 15, vf) + m[2 * j];
-                b[2 * j + 1] = d[2 * j + 1] * __builtin_convertvector(w >> 4, vf) + m[2 * j + 1];
-            }
+            for (int j = 0; j < np; j++) dequantize(kind, q[j], i, d + 2 * j, m + 2 * j, b + 2 * j, b + 2 * j + 1);
             for (int r = 0; r < mr; r++) {
                 const float a = xg[r * x_stride + i];
                 for (int v = 0; v < 2 * np; v++) acc[r][v] += a * b[v];
@@ -207,92 +241,101 @@ static inline __attribute__((always_inline)) void tile_q4(int mr, int np, const 
     tile_store(mr, np, acc, bias, y, y_stride, ncols);
 }
 
-static void tile_rows_q4(int mr, int np, const float* x, int64_t x_stride, const uint8_t* panel, int64_t k,
-                         const float* bias, float* y, int64_t y_stride, int64_t ncols) {
-#define ROWS(n, p) tile_q4(n, p, x, x_stride, panel, k, bias, y, y_stride, ncols)
-    if (np == 2) {
-        if (mr == 2) ROWS(2, 2);
-        else ROWS(1, 2);
-        return;
+/* tile_rows for block panels of one kind, each row count's copy with its loops unrolled. */
+#define DEFINE_TILE_ROWS_BLOCKS(NAME, KIND)                                                                     \
+    static void NAME(int mr, int np, const float* x, int64_t x_stride, const uint8_t* panel, int64_t k,        \
+                     const float* bias, float* y, int64_t y_stride, int64_t ncols) {                          \
+        if (np == 2) {                                                                                          \
+            if (mr == 2) tile_blocks(KIND, 2, 2, x, x_stride, panel, k, bias, y, y_stride, ncols);             \
+            else tile_blocks(KIND, 1, 2, x, x_stride, panel, k, bias, y, y_stride, ncols);                     \
+            return;                                                                                             \
+        }                                                                                                       \
+        switch (mr) {                                                                                           \
+            case 6: tile_blocks(KIND, 6, 1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;           \
+            case 5: tile_blocks(KIND, 5, 1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;           \
+            case 4: tile_blocks(KIND, 4, 1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;           \
+            case 3: tile_blocks(KIND, 3, 1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;           \
+            case 2: tile_blocks(KIND, 2, 1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;           \
+            default: tile_blocks(KIND, 1, 1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;          \
+        }                                                                                                       \
     }
-    switch (mr) {
-        case 6: ROWS(6, 1); break;
-        case 5: ROWS(5, 1); break;
-        case 4: ROWS(4, 1); break;
-        case 3: ROWS(3, 1); break;
-        case 2: ROWS(2, 1); break;
-        default: ROWS(1, 1); break;
-    }
-#undef ROWS
-}
+DEFINE_TILE_ROWS_BLOCKS(tile_rows_q4_1, BLOCK_Q4_1)
+DEFINE_TILE_ROWS_BLOCKS(tile_rows_q8_0, BLOCK_Q8_0)
 
-/* blocks: W [n, k] as GGUF's Q4_1 blocks, row after row (k / 32 blocks a row); w: the same W dequantized, float32
- * [n, k]; packed: [ceil(n / NR), k / 32, linear_q4_1_group_bytes()] (k a multiple of 32), the columns past n zero.
- * Returns how many weights of w the blocks do not give bitwise (0: the packed panels are w's). */
-int64_t linear_q4_1_pack(const uint8_t* blocks, const float* w, int64_t n, int64_t k, uint8_t* packed) {
-    const int64_t panels = (n + NR - 1) / NR, groups = k / Q4_GROUP, gb = q4_group_bytes();
+/* blocks: W [n, k] as GGUF blocks of `kind` (0: Q4_1, 1: Q8_0), row after row (k / 32 blocks a row); w: the same
+ * W dequantized, float32 [n, k]; packed: [ceil(n / NR), k / 32, linear_blocks_group_bytes(kind)] (k a multiple of
+ * 32), the columns past n zero. Returns how many weights of w the blocks do not give bitwise (0: the packed panels
+ * are w's), or -1 for an unknown kind. */
+int64_t linear_pack_blocks(int64_t kind, const uint8_t* blocks, const float* w, int64_t n, int64_t k,
+                           uint8_t* packed) {
+    if (kind != BLOCK_Q4_1 && kind != BLOCK_Q8_0) return -1;
+    const int64_t panels = (n + NR - 1) / NR, groups = k / QK, gb = group_bytes((int)kind);
+    const int64_t block = kind == BLOCK_Q4_1 ? 4 + QK / 2 : 2 + QK; /* GGUF's: d (, m) float16, then q */
+    const int64_t scales = (kind == BLOCK_Q4_1 ? 2 : 1) * NR;
     int64_t mismatches = 0;
 #pragma omp parallel for reduction(+ : mismatches) if (n * k >= PARALLEL_MIN_WORK)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t g = 0; g < groups; g++) {
             uint8_t* dst = packed + (p * groups + g) * gb;
             float dm[2 * NR];
-            uint8_t* q = dst + sizeof dm;
-            memset(q, 0, Q4_GROUP * VW);
+            uint8_t* q = dst + scales * sizeof(float);
+            memset(q, 0, gb - scales * sizeof(float));
             for (int64_t c = 0; c < NR; c++) {
                 const int64_t row = p * NR + c;
                 dm[c] = dm[NR + c] = 0.0f;
                 if (row >= n) continue;
-                const uint8_t* b = blocks + (row * groups + g) * Q4_BLOCK;
+                const uint8_t* b = blocks + (row * groups + g) * block;
                 const float d = half_to_float((uint16_t)(b[0] | b[1] << 8));
-                const float m = half_to_float((uint16_t)(b[2] | b[3] << 8));
+                const float m = kind == BLOCK_Q4_1 ? half_to_float((uint16_t)(b[2] | b[3] << 8)) : 0.0f;
                 dm[c] = d, dm[NR + c] = m;
-                for (int64_t j = 0; j < Q4_GROUP; j++) {
-                    const uint8_t nibble = j < Q4_GROUP / 2 ? b[4 + j] & 15 : b[4 + j - Q4_GROUP / 2] >> 4;
-                    const float v = fmaf(d, (float)nibble, m), want = w[row * k + g * Q4_GROUP + j];
+                for (int64_t j = 0; j < QK; j++) {
+                    float v;
+                    if (kind == BLOCK_Q4_1) { /* byte j: element j low, element j + 16 high */
+                        const uint8_t nibble = j < QK / 2 ? b[4 + j] & 15 : b[4 + j - QK / 2] >> 4;
+                        v = fmaf(d, (float)nibble, m);
+                        q[j * VW + c % VW] |= (uint8_t)(nibble << (c < VW ? 0 : 4));
+                    } else {
+                        v = d * (float)(int8_t)b[2 + j];
+                        q[j * NR + c] = b[2 + j];
+                    }
+                    const float want = w[row * k + g * QK + j];
                     mismatches += memcmp(&v, &want, sizeof v) != 0;
-                    q[j * VW + c % VW] |= (uint8_t)(nibble << (c < VW ? 0 : 4));
                 }
             }
-            memcpy(dst, dm, sizeof dm);
+            memcpy(dst, dm, scales * sizeof(float));
         }
     return mismatches;
 }
 
-/* Q4_1 panels p0 .. p0 + np - 1 expanded into float32 panels, linear_pack_f32's layout, at out. */
-static void q4_1_expand(const uint8_t* packed, int64_t groups, int64_t p0, int64_t np, float* out) {
-    const int64_t gb = q4_group_bytes();
+/* Block panels p0 .. p0 + np - 1 expanded into float32 panels, linear_pack_f32's layout, at out. */
+static inline __attribute__((always_inline)) void expand_blocks(int kind, const uint8_t* packed, int64_t groups,
+                                                                int64_t p0, int64_t np, float* out) {
+    const int64_t gb = group_bytes(kind);
     for (int64_t g = 0; g < np * groups; g++) {
-        const uint8_t* src = packed + (p0 * groups + g) * gb;
         vf d[2], m[2];
-        memcpy(d, src, sizeof d);
-        memcpy(m, src + sizeof d, sizeof m);
-        const uint8_t* q = src + sizeof d + sizeof m;
-        float* dst = out + g * Q4_GROUP * NR;
-        for (int i = 0; i < Q4_GROUP; i++) {
-            const vi v = widen_bytes(q + i * VW);
-            *(vf*)(dst + i * NR) = d[0] * __builtin_convertvector(v & 15, vf) + m[0];
-            *(vf*)(dst + i * NR + VW) = d[1] * __builtin_convertvector(v >> 4, vf) + m[1];
-        }
+        const uint8_t* q = group_scales(kind, packed + (p0 * groups + g) * gb, d, m);
+        float* dst = out + g * QK * NR;
+        for (int i = 0; i < QK; i++) dequantize(kind, q, i, d, m, (vf*)(dst + i * NR), (vf*)(dst + i * NR + VW));
     }
 }
 
 /* x: [m, k], rows x_stride apart; y: [m, n] contiguous; bias: [n] or NULL. The weight W [n, k] is either packed
- * (linear_pack_f32's panels) or q4 (linear_q4_1_pack's). linear_f32 and linear_q4_1_f32 below.
+ * (linear_pack_f32's panels) or blocks of `kind` (linear_pack_blocks'). linear_f32, linear_q4_1_f32 and
+ * linear_q8_0_f32 below.
  *
  * Threads take the panels two at a time. Rows go MR to a tile, panel by panel. Below 2 MR rows, one or two rows
  * left over (8 rows: 6 + 2) go over both panels at once: alone on a panel their 2 or 4 chains of multiply-adds,
  * each waiting on the last, left the FMA units half idle (a batch-8 decode step ~7% faster; with more whole
- * tiles per panel, at 32 rows, pairing measured no better). From Q4_EXPAND_MIN_ROWS rows, Q4_1 panels are expanded
- * pair by pair into a thread's own two float32 panels, once per call. */
+ * tiles per panel, at 32 rows, pairing measured no better). From Q4_EXPAND_MIN_ROWS rows, block panels are
+ * expanded pair by pair into a thread's own two float32 panels, once per call. */
 static inline __attribute__((always_inline)) void linear_panels(const float* x, int64_t x_stride, int64_t m,
-                                                                int64_t k, const float* packed, const uint8_t* q4,
-                                                                int64_t n, const float* bias, float* y) {
-    const int64_t panels = (n + NR - 1) / NR, pairs = (panels + 1) / 2, q4_bytes = k / Q4_GROUP * q4_group_bytes();
+                                                                int64_t k, const float* packed, const uint8_t* blocks,
+                                                                int kind, int64_t n, const float* bias, float* y) {
+    const int64_t panels = (n + NR - 1) / NR, pairs = (panels + 1) / 2, panel_bytes = k / QK * group_bytes(kind);
 #pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
     {
-        float* expanded = q4 != 0 && m >= Q4_EXPAND_MIN_ROWS ? aligned_alloc(64, 2 * k * NR * sizeof(float)) : 0;
-        const int fused = q4 != 0 && expanded == 0; /* Q4_1 dequantized in the tiles (or no memory to expand) */
+        float* expanded = blocks != 0 && m >= Q4_EXPAND_MIN_ROWS ? aligned_alloc(64, 2 * k * NR * sizeof(float)) : 0;
+        const int fused = blocks != 0 && expanded == 0; /* dequantized in the tiles (or no memory to expand) */
         /* Expanded panels take every row in one chunk: expanding a pair again per chunk of MC rows cost a prefill
          * more (~2%) than reading x from L3 instead of L2 does. */
         const int64_t chunk = expanded != 0 ? m : MC;
@@ -303,23 +346,25 @@ static inline __attribute__((always_inline)) void linear_panels(const float* x, 
             for (int64_t pair = 0; pair < pairs; pair++) {
                 const int64_t p0 = 2 * pair, np = p0 + 1 < panels ? 2 : 1;
                 const int64_t whole = np == 2 && rest != 0 && rest <= PAIR_ROWS && m1 - m0 < 2 * MR ? m1 - rest : m1;
-                if (expanded != 0) q4_1_expand(q4, k / Q4_GROUP, p0, np, expanded);
+                if (expanded != 0) expand_blocks(kind, blocks, k / QK, p0, np, expanded);
                 const float* base = expanded != 0 ? expanded : packed + p0 * k * NR;
+#define TILE_BLOCKS(mr, np, x, panel, bias, y, ncols)                                                                 \
+    (kind == BLOCK_Q4_1 ? tile_rows_q4_1 : tile_rows_q8_0)(mr, np, x, x_stride, panel, k, bias, y, n, ncols)
                 for (int64_t p = p0; p < p0 + np; p++) {
                     const int64_t col = p * NR;
                     /* The first row tile brings in the next panel (this thread's next one under the static split):
                      * a tile's arithmetic and the next panel's read from memory overlap instead of taking turns.
                      * Below PREFETCH_MIN_ROWS a panel has too little arithmetic to hide a read behind, and the
                      * hardware's own prefetch streams the panels as well (one row: ~3% slower with it). Expanded
-                     * Q4_1 panels are in the cache already. */
+                     * panels are in the cache already. */
                     const float* next =
-                        q4 == 0 && p + 1 < panels && m1 - m0 >= PREFETCH_MIN_ROWS ? packed + (p + 1) * k * NR : 0;
+                        blocks == 0 && p + 1 < panels && m1 - m0 >= PREFETCH_MIN_ROWS ? packed + (p + 1) * k * NR : 0;
                     for (int64_t r = m0; r < whole; r += MR) {
                         const int mr = (int)(whole - r < MR ? whole - r : MR);
                         const float* b = bias == 0 ? 0 : bias + col;
                         if (fused)
-                            tile_rows_q4(mr, 1, x + r * x_stride, x_stride, q4 + p * q4_bytes, k, b, y + r * n + col,
-                                         n, panel_cols(n, p));
+                            TILE_BLOCKS(mr, 1, x + r * x_stride, blocks + p * panel_bytes, b, y + r * n + col,
+                                        panel_cols(n, p));
                         else
                             tile_rows(mr, 1, x + r * x_stride, x_stride, base + (p - p0) * k * NR, r == m0 ? next : 0,
                                       k, b, y + r * n + col, n, panel_cols(n, p));
@@ -328,12 +373,13 @@ static inline __attribute__((always_inline)) void linear_panels(const float* x, 
                 if (whole < m1) {
                     const float* b = bias == 0 ? 0 : bias + p0 * NR;
                     if (fused)
-                        tile_rows_q4((int)rest, 2, x + whole * x_stride, x_stride, q4 + p0 * q4_bytes, k, b,
-                                     y + whole * n + p0 * NR, n, panel_cols(n, p0 + 1));
+                        TILE_BLOCKS((int)rest, 2, x + whole * x_stride, blocks + p0 * panel_bytes, b,
+                                    y + whole * n + p0 * NR, panel_cols(n, p0 + 1));
                     else
                         tile_rows((int)rest, 2, x + whole * x_stride, x_stride, base, 0, k, b, y + whole * n + p0 * NR,
                                   n, panel_cols(n, p0 + 1));
                 }
+#undef TILE_BLOCKS
             }
         }
         free(expanded);
@@ -342,13 +388,18 @@ static inline __attribute__((always_inline)) void linear_panels(const float* x, 
 
 void linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const float* packed, int64_t n,
                 const float* bias, float* y) {
-    linear_panels(x, x_stride, m, k, packed, 0, n, bias, y);
+    linear_panels(x, x_stride, m, k, packed, 0, BLOCK_Q4_1, n, bias, y);
 }
 
-/* linear_f32 over W's Q4_1 panels (linear_q4_1_pack), bitwise linear_f32's over W dequantized. */
-void linear_q4_1_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* q4, int64_t n,
+/* linear_f32 over W's block panels (linear_pack_blocks), bitwise linear_f32's over W dequantized. */
+void linear_q4_1_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* blocks, int64_t n,
                      const float* bias, float* y) {
-    linear_panels(x, x_stride, m, k, 0, q4, n, bias, y);
+    linear_panels(x, x_stride, m, k, 0, blocks, BLOCK_Q4_1, n, bias, y);
+}
+
+void linear_q8_0_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* blocks, int64_t n,
+                     const float* bias, float* y) {
+    linear_panels(x, x_stride, m, k, 0, blocks, BLOCK_Q8_0, n, bias, y);
 }
 
 /* The greedy head in float32: each row's argmax of x W^T, the first largest of the logits linear_f32 gives (as

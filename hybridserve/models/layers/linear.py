@@ -5,8 +5,9 @@ Same math as nn.Linear, the weight laid out once for the kernel instead of on ev
   on every CPU, 1.2-1.9x oneDNN's float32 GEMM on an AVX2 CPU at decode batch sizes; bfloat16 on CPUs with
   AVX512-BF16, 1.3-2x oneDNN's bf16 GEMM at 1-64 rows on a CPU with AMX (benchmarks/native_kernels.py).
   Every output element is summed in one fixed order, so a row's result does not depend on its batch.
-  A float32 weight that came from a GGUF's Q4_1 blocks can be packed from them instead (a sixth of the bytes,
-  dequantized in the cache as the sums need it): the same sums bit for bit, checked weight by weight at packing.
+  A float32 weight that came from a GGUF's Q4_1 or Q8_0 blocks can be packed from them instead (19% or 28% of
+  the bytes, dequantized in the cache as the sums need it): the same sums bit for bit, checked weight by
+  weight at packing.
 - otherwise (no C compiler, native kernels off, bf16 without AVX512-BF16): weights pre-packed for oneDNN,
   which is worth ~2x at batch 1 and 10-20% at batch 64 over nn.Linear; bf16 on a CPU whose oneDNN has no bf16
   matmul (no AVX512, no AVX-NE-CONVERT) keeps nn.Linear.
@@ -50,21 +51,23 @@ class NativeLinear(nn.Module):
         kernels: LinearKernels,
         float_out: bool = False,
         argmax: bool = False,
-        q4_1_blocks: torch.Tensor | None = None,
+        blocks: tuple[str, torch.Tensor] | None = None,
     ) -> None:
         """argmax: keep what argmax() needs, where the kernels can take it (a head without bias, in bf16 on a CPU
-        with AVX512-VNNI): the weight row-major too, and its int8 copy. q4_1_blocks: the float32 weight's GGUF
-        Q4_1 blocks, to pack from if they give it bitwise (else the float32 weight is packed, with a warning)."""
+        with AVX512-VNNI): the weight row-major too, and its int8 copy. blocks: the float32 weight's GGUF blocks
+        (kind, tensor), to pack from if they give it bitwise (else the float32 weight is packed, with a warning)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels, self.float_out = kernels, float_out
         weight = linear.weight.detach()
-        panels = None if q4_1_blocks is None else kernels.pack_q4_1(weight, q4_1_blocks)
-        if q4_1_blocks is not None and panels is None:
+        panels = None if blocks is None else kernels.pack_blocks(weight, blocks[1], blocks[0])
+        if blocks is not None and panels is None:
             logger.warning(
-                "Q4_1 blocks of a %s weight do not give its float32 values bitwise: packing the float32 values",
+                "%s blocks of a %s weight do not give its float32 values bitwise: packing the float32 values",
+                blocks[0],
                 tuple(weight.shape),
             )
+        self.blocks = None if panels is None or blocks is None else blocks[0]  # the panels' GGUF block kind
         self.panels = kernels.pack(weight) if panels is None else panels
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         # argmax(): the weight row-major (a tied head's is the embedding's: no copy) and its int8 copy
@@ -75,7 +78,7 @@ class NativeLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = self.kernels.linear(rows, self.panels, self.out_features, self.bias, self.float_out)
+        y = self.kernels.linear(rows, self.panels, self.out_features, self.bias, self.float_out, self.blocks)
         return y.view(*x.shape[:-1], self.out_features)
 
     def argmax(self, x: torch.Tensor, n: int) -> torch.Tensor | None:
@@ -88,7 +91,7 @@ class NativeLinear(nn.Module):
         tokens = self.kernels.argmax(x, *self.argmax_tables, n)
         undecided = (tokens < 0).nonzero().flatten()
         if undecided.numel():
-            logits = self.kernels.linear(x[undecided], self.panels, self.out_features, self.bias, True)
+            logits = self.kernels.linear(x[undecided], self.panels, self.out_features, self.bias, True, self.blocks)
             tokens[undecided] = logits[:, :n].argmax(-1)
         return tokens
 
@@ -100,7 +103,7 @@ def can_pack(device: torch.device) -> bool:
 def pack_linears(
     model: nn.Module,
     kernels: LinearKernels | None = None,
-    q4_1_blocks: Mapping[str, torch.Tensor] | None = None,
+    blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None,
     prefix: str = "",
 ) -> None:
     """Replace every nn.Linear in `model`, in place: by a NativeLinear where `kernels` are given and take the
@@ -108,15 +111,15 @@ def pack_linears(
     them a bf16 layer stays an nn.Linear, PyTorch's own bf16 matmul). A native head (`lm_head`) returns float32
     logits, its sums unrounded: in bf16, logits a step apart (0.125 at 25) are near ties that rounding makes
     exact, and the argmax would then pick the lower token id, not the larger logit. It keeps an int8 copy for
-    argmax() too. q4_1_blocks: GGUF Q4_1 blocks by parameter name (`<module>.weight`), which native float32
+    argmax() too. blocks: GGUF blocks (kind, tensor) by parameter name (`<module>.weight`), which native float32
     layers are packed from."""
-    blocks = q4_1_blocks or {}
+    blocks = blocks or {}
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
             if kernels is not None and child.weight.dtype in kernels.dtypes:
                 head = name == "lm_head"
-                q4 = blocks.get(f"{prefix}{name}.weight") if child.weight.dtype == torch.float32 else None
-                setattr(model, name, NativeLinear(child, kernels, float_out=head, argmax=head, q4_1_blocks=q4))
+                own = blocks.get(f"{prefix}{name}.weight") if child.weight.dtype == torch.float32 else None
+                setattr(model, name, NativeLinear(child, kernels, float_out=head, argmax=head, blocks=own))
             elif child.weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 setattr(model, name, PackedLinear(child))
         else:

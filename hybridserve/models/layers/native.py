@@ -246,6 +246,10 @@ class _ArgmaxKernels(NamedTuple):
     meta_rows: int
 
 
+# GGUF block formats the float32 matmuls read in place: linear.c's code for the kind, bytes per 32 weights
+BLOCKS = {"Q4_1": (0, 20), "Q8_0": (1, 34)}
+
+
 class LinearKernels:
     """Matmuls y = x W^T + b over weights packed once into panels (linear.c): float32 everywhere, bfloat16
     where the CPU has AVX512-BF16 (summed on AMX's tiles where it has those too)."""
@@ -258,10 +262,13 @@ class LinearKernels:
         self.amx = bool(_function(lib, "linear_amx_init", [], _I)())
         self._pack = {torch.float32: _function(lib, "linear_pack_f32", [_P, _I, _I, _P])}
         self._linear = {torch.float32: _function(lib, "linear_f32", [_P, _I, _I, _I, _P, _I, _P, _P])}
-        # float32 matmuls over weights kept in GGUF's Q4_1 blocks: their panels are uint8
-        self._linear[torch.uint8] = _function(lib, "linear_q4_1_f32", [_P, _I, _I, _I, _P, _I, _P, _P])
-        self._pack_q4_1 = _function(lib, "linear_q4_1_pack", [_P, _P, _I, _I, _P], _I)
-        self.q4_1_group_bytes = int(_function(lib, "linear_q4_1_group_bytes", [], _I)())
+        # float32 matmuls over weights kept in GGUF blocks (their panels: uint8), by GGUF's name for the format
+        self._linear_blocks = {
+            kind: _function(lib, f"linear_{kind.lower()}_f32", [_P, _I, _I, _I, _P, _I, _P, _P]) for kind in BLOCKS
+        }
+        self._pack_blocks = _function(lib, "linear_pack_blocks", [_I, _P, _P, _I, _I, _P], _I)
+        group_bytes = _function(lib, "linear_blocks_group_bytes", [_I], _I)
+        self._group_bytes = {kind: int(group_bytes(code)) for kind, (code, _) in BLOCKS.items()}
         if torch.bfloat16 in self.panel_width:
             self._pack[torch.bfloat16] = _function(lib, "linear_pack_bf16", [_P, _I, _I, _P])
             self._linear[torch.bfloat16] = _function(lib, "linear_bf16", [_P, _I, _I, _I, _P, _I, _P, _P, _I])
@@ -309,32 +316,45 @@ class LinearKernels:
         self._pack[weight.dtype](weight.data_ptr(), n, k, packed.data_ptr())
         return packed
 
-    def pack_q4_1(self, weight: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor | None:
-        """Panels of a float32 weight [N, K] from its GGUF Q4_1 blocks (uint8 [N, K / 32 * 20], rows in the
-        weight's order): uint8 [ceil(N / width), K / 32, q4_1_group_bytes], a sixth of the float32 panels' bytes,
-        which linear() sums bitwise as it sums pack(weight). None if the blocks do not give the weight bitwise."""
+    def pack_blocks(self, weight: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor | None:
+        """Panels of a float32 weight [N, K] from its GGUF blocks of `kind` (a key of BLOCKS; uint8 [N, K / 32 *
+        block bytes], rows in the weight's order): uint8 [ceil(N / width), K / 32, group bytes], 19% (Q4_1) or
+        28% (Q8_0) of the float32 panels' bytes, which linear(..., blocks=kind) sums bitwise as it sums
+        pack(weight). None if the blocks do not give the weight bitwise."""
         n, k = weight.shape
-        if weight.dtype != torch.float32 or blocks.dtype != torch.uint8 or k % 32 or blocks.shape != (n, k // 32 * 20):
+        block = BLOCKS[kind][1]
+        if (
+            weight.dtype != torch.float32
+            or blocks.dtype != torch.uint8
+            or k % 32
+            or blocks.shape != (n, k // 32 * block)
+        ):
             raise ValueError(
-                f"Q4_1 blocks of a float32 weight [N, K] (K a multiple of 32) are uint8 [N, K / 32 * 20]; got weight "
-                f"{weight.dtype} {tuple(weight.shape)}, blocks {blocks.dtype} {tuple(blocks.shape)}"
+                f"{kind} blocks of a float32 weight [N, K] (K a multiple of 32) are uint8 [N, K / 32 * {block}]; got "
+                f"weight {weight.dtype} {tuple(weight.shape)}, blocks {blocks.dtype} {tuple(blocks.shape)}"
             )
         width = self.panel_width[torch.float32]
-        packed = torch.empty((-(-n // width), k // 32, self.q4_1_group_bytes), dtype=torch.uint8)
+        packed = torch.empty((-(-n // width), k // 32, self._group_bytes[kind]), dtype=torch.uint8)
         weight, blocks = weight.contiguous(), blocks.contiguous()
-        mismatches = self._pack_q4_1(blocks.data_ptr(), weight.data_ptr(), n, k, packed.data_ptr())
+        mismatches = self._pack_blocks(BLOCKS[kind][0], blocks.data_ptr(), weight.data_ptr(), n, k, packed.data_ptr())
         return packed if mismatches == 0 else None
 
     def linear(
-        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, float_out: bool = False
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        float_out: bool = False,
+        blocks: str | None = None,
     ) -> torch.Tensor:
-        """x: [M, K] of packed's dtype (float32 for Q4_1 panels), each row contiguous; packed: pack()'s or
-        pack_q4_1()'s panels of W [n, K]; bias: [n] float32 or None. Returns [M, n] in x's dtype, or with float_out
-        in float32, the sums unrounded."""
+        """x: [M, K] of packed's dtype (float32 for block panels), each row contiguous; packed: pack()'s panels of W
+        [n, K], or with `blocks` pack_blocks()'s of that kind; bias: [n] float32 or None. Returns [M, n] in x's
+        dtype, or with float_out in float32, the sums unrounded."""
         m, k = x.shape
-        dtype = torch.float32 if packed.dtype == torch.uint8 else packed.dtype
-        # bf16 panels hold k in pairs, Q4_1 ones in groups of 32
-        packed_k = {torch.float32: k, torch.uint8: k / 32}.get(packed.dtype, -(-k // 2))
+        dtype = torch.float32 if blocks is not None else packed.dtype
+        # bf16 panels hold k in pairs, block ones in groups of 32
+        packed_k = k / 32 if blocks is not None else k if packed.dtype == torch.float32 else -(-k // 2)
         if x.dtype != dtype or packed_k != packed.shape[1] or (x.stride(1) != 1 and m > 0):
             raise ValueError(
                 f"input must be {dtype} [M, K] with K the weight's ({packed.dtype} panels "
@@ -348,12 +368,12 @@ class LinearKernels:
             if x.dtype == torch.bfloat16:
                 self._linear[x.dtype](*args, y.data_ptr(), int(float_out))
             else:
-                self._linear[packed.dtype](*args, y.data_ptr())
+                self.function(packed, blocks)(*args, y.data_ptr())
         return y
 
-    def function(self, packed: torch.Tensor) -> int:
-        """The address of the C function linear() calls for these panels (decoder_stack.c calls it directly)."""
-        return ctypes.cast(self._linear[packed.dtype], _P).value or 0
+    def function(self, packed: torch.Tensor, blocks: str | None = None) -> Callable[..., None]:
+        """The C function linear() calls for these panels (decoder_stack.c calls it directly)."""
+        return self._linear[packed.dtype] if blocks is None else self._linear_blocks[blocks]
 
     def can_argmax(self, weight: torch.Tensor) -> bool:
         """Whether argmax takes this weight [N, K]: bf16 with AVX512-VNNI, where linear() sums it with
@@ -504,14 +524,14 @@ class _Stack(ctypes.Structure):
 @dataclass(frozen=True)
 class StackLayer:
     """A Llama decoder layer's weights as decoder_stack.c takes them: the norms' weights, each matmul's packed
-    panels (LinearKernels.pack) and float32 bias or None."""
+    panels (LinearKernels.pack, or pack_blocks), float32 bias or None, and GGUF block kind or None."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: tuple[torch.Tensor, torch.Tensor | None]
-    o: tuple[torch.Tensor, torch.Tensor | None]
-    gate_up: tuple[torch.Tensor, torch.Tensor | None]
-    down: tuple[torch.Tensor, torch.Tensor | None]
+    qkv: tuple[torch.Tensor, torch.Tensor | None, str | None]
+    o: tuple[torch.Tensor, torch.Tensor | None, str | None]
+    gate_up: tuple[torch.Tensor, torch.Tensor | None, str | None]
+    down: tuple[torch.Tensor, torch.Tensor | None, str | None]
 
 
 class DecoderStack:
@@ -550,10 +570,10 @@ class DecoderStack:
         for record, layer in zip(self._layers, layers, strict=True):
             record.input_norm, record.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             for field_name in ("qkv", "o", "gate_up", "down"):
-                panels, bias = getattr(layer, field_name)
+                panels, bias, blocks = getattr(layer, field_name)
                 setattr(record, field_name, panels.data_ptr())
                 setattr(record, f"{field_name}_bias", None if bias is None else bias.data_ptr())
-                setattr(record, f"{field_name}_linear", linear.function(panels))
+                setattr(record, f"{field_name}_linear", ctypes.cast(linear.function(panels, blocks), _P).value)
         kernels = (ops._add_rms_norm[dtype], ops._silu_mul[dtype], attention._rope_write_kv, attention._decode)
         self._stack = _Stack(
             *(ctypes.cast(fn, _P).value for fn in kernels),
