@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.report import say, write_csv
+from benchmarks.report import panel_plot, say, write_csv
 from hybridserve.models.layers.linear import NativeLinear
 from hybridserve.models.layers.native import LinearKernels, load_linear_kernels
 from hybridserve.models.loader import resolve_model
@@ -81,31 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         say(f"  {m} rows: float32 {best['float32'] * 1e3:.2f} ms, q4_1 {best['q4_1'] * 1e3:.2f} ms")
     path = args.out / f"q4_1_matmuls_{time.strftime('%Y%m%d-%H%M%S')}"
     write_csv(rows, path.with_suffix(".csv"))
-    write_png(rows, path.with_suffix(".png"))
+    lines = {f"{side} panels": [(r["rows"], r[f"{side}_ms"]) for r in rows] for side in ("float32", "q4_1")}
+    title = "SmolLM2-135M projections from memory, float32"
+    panel_plot({title: lines}, "rows", "ms, 30 layers", path.with_suffix(".png"))
     print("| rows | float32 panels | Q4_1 panels | float32 / Q4_1 |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['rows']} | {r['float32_ms']:.2f} ms | {r['q4_1_ms']:.2f} ms | {r['speedup']:.2f}× |")
     return 0
-
-
-def write_png(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    xs = range(len(rows))
-    for offset, side in ((-0.2, "float32"), (0.2, "q4_1")):
-        ax.bar([x + offset for x in xs], [r[f"{side}_ms"] for r in rows], width=0.4, label=f"{side} panels")
-    ax.set_xticks(list(xs), [str(r["rows"]) for r in rows])
-    ax.set_xlabel("rows")
-    ax.set_yscale("log")
-    ax.set_ylabel("ms for the 30 layers' projections")
-    ax.set_title("SmolLM2-135M projections from memory, float32")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
 
 
 if __name__ == "__main__":

@@ -138,28 +138,18 @@ static inline int64_t panel_cols(int64_t n, int64_t p) { return n - p * NR < NR 
 
 typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t)), aligned(sizeof(int32_t))));
 
-/* VW bytes, each widened to an int32 lane, as unsigned or signed (GCC lowers a vector conversion from bytes to
- * scalar moves). */
-static inline vi widen_u8(const uint8_t* q) {
+/* VW bytes, each widened to an int32 lane, as unsigned or signed integers (GCC lowers a vector conversion from
+ * bytes to scalar moves). */
+static inline __attribute__((always_inline)) vi widen(const uint8_t* q, int is_signed) {
 #if defined(__AVX512F__)
-    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+    const __m128i b = _mm_loadu_si128((const __m128i*)q);
+    return (vi)(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 #elif defined(__AVX2__)
-    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
+    const __m128i b = _mm_loadl_epi64((const __m128i*)q);
+    return (vi)(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 #else
     vi v;
-    for (int j = 0; j < VW; j++) v[j] = q[j];
-    return v;
-#endif
-}
-
-static inline vi widen_s8(const uint8_t* q) {
-#if defined(__AVX512F__)
-    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q));
-#elif defined(__AVX2__)
-    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q));
-#else
-    vi v;
-    for (int j = 0; j < VW; j++) v[j] = (int8_t)q[j];
+    for (int j = 0; j < VW; j++) v[j] = is_signed ? (int8_t)q[j] : q[j];
     return v;
 #endif
 }
@@ -175,12 +165,12 @@ int64_t linear_blocks_group_bytes(int64_t kind) { return group_bytes((int)kind);
 static inline __attribute__((always_inline)) void dequantize(int kind, const uint8_t* q, int i, const vf d[2],
                                                              const vf m[2], vf* lo, vf* hi) {
     if (kind == BLOCK_Q4_1) {
-        const vi w = widen_u8(q + i * VW);
+        const vi w = widen(q + i * VW, 0);
         *lo = d[0] * __builtin_convertvector(w & 15, vf) + m[0];
         *hi = d[1] * __builtin_convertvector(w >> 4, vf) + m[1];
     } else {
-        *lo = d[0] * __builtin_convertvector(widen_s8(q + i * NR), vf);
-        *hi = d[1] * __builtin_convertvector(widen_s8(q + i * NR + VW), vf);
+        *lo = d[0] * __builtin_convertvector(widen(q + i * NR, 1), vf);
+        *hi = d[1] * __builtin_convertvector(widen(q + i * NR + VW, 1), vf);
     }
 }
 
