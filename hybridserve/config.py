@@ -133,9 +133,9 @@ class EngineConfig:
     )
     gguf_blocks: bool = setting(
         True,
-        "on CPU in float32 with native kernels, sum a GGUF model's Q4_1 and Q8_0 matmul weights (projections, head) "
-        "from their blocks, dequantized in the cache as the matmuls need them: the same float32 sums bit for bit "
-        "from 19% (Q4_1) or 28% (Q8_0) of the weight bytes (--no-gguf-blocks: float32 copies)",
+        "on CPU in float32 with native kernels, sum a GGUF model's Q4_0, Q4_1 and Q8_0 matmul weights (projections, "
+        "head) from their blocks, dequantized in the cache as the matmuls need them: the same float32 sums bit for "
+        "bit from 19% (Q4_x) or 28% (Q8_0) of the weight bytes (--no-gguf-blocks: float32 copies)",
     )
     cuda_graphs: bool = setting(
         True,

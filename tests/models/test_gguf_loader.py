@@ -14,7 +14,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from hybridserve.config import EngineConfig
+from hybridserve.engine.model_runner import ModelRunner
+from hybridserve.engine.parity import chunked_logits
 from hybridserve.models import loader
+from hybridserve.models.layers.linear import NativeLinear
 from hybridserve.models.loader import DEFAULT_MODEL_NAME, ResolvedModel, default_model_path, resolve_model
 from hybridserve.models.loader import gguf as gguf_loader
 from hybridserve.models.loader.gguf import convert_gguf
@@ -218,9 +222,13 @@ def gguf_name(hf: str) -> str:
 
 
 def write_gguf(
-    path: Path, arch: str, tensors: dict[str, np.ndarray], metadata: Callable[[gguf.GGUFWriter], None] | None = None
+    path: Path,
+    arch: str,
+    tensors: dict[str, np.ndarray],
+    metadata: Callable[[gguf.GGUFWriter], None] | None = None,
+    quantized: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> None:
-    """A tiny GGUF of `tensors`; `metadata` adds keys of its own."""
+    """A tiny GGUF of `tensors`; `metadata` adds keys of its own; `quantized` names tensors stored quantized."""
     vocab = tiny_vocab()
     writer = gguf.GGUFWriter(path, arch)
     if metadata is not None:
@@ -241,7 +249,11 @@ def write_gguf(
     writer.add_eos_token_id(vocab.index("<|im_end|>"))
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
     for name, array in tensors.items():
-        writer.add_tensor(gguf_name(name), array)
+        qtype = (quantized or {}).get(name)
+        if qtype is None:
+            writer.add_tensor(gguf_name(name), array)
+        else:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -270,6 +282,39 @@ def test_llama_with_biases_and_output_weight_round_trips(tmp_path: Path) -> None
     with torch.device("meta"):
         expected = AutoModelForCausalLM.from_config(config).state_dict()
     assert sorted(expected) == sorted(ours)
+
+
+def test_quantized_matmuls_keep_their_blocks_and_the_engine_sums_them_bitwise(tmp_path: Path) -> None:
+    """Q4_0 projections (down_proj's K of 48 cannot be: it stays float32, and with it only the layers' other
+    matmuls read blocks) and a Q8_0 output head: the conversion keeps their blocks, they dequantize to the converted
+    weights, and an engine reading them computes the logits of one reading float32 copies, bit for bit."""
+    original = hf_weights(len(tiny_vocab()), np.random.default_rng(1))
+    in_file = {
+        name: llama_cpp_permute(w, HEADS if ".q_proj." in name else KV_HEADS)
+        if ".q_proj." in name or ".k_proj." in name
+        else w
+        for name, w in original.items()
+    }
+    q4_0 = [n for n in original if n.endswith("_proj.weight") and "down_proj" not in n]
+    types = {n: gguf.GGMLQuantizationType.Q4_0 for n in q4_0} | {"lm_head.weight": gguf.GGMLQuantizationType.Q8_0}
+    write_gguf(tmp_path / "tiny.gguf", "llama", in_file, quantized=types)
+    hf_dir = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "cache")
+    blocks, weights = gguf_loader.gguf_blocks(hf_dir), load_state_dict(hf_dir, torch.float32, CPU)
+    assert {kind: sorted(named) for kind, named in blocks.items()} == {"Q4_0": sorted(q4_0), "Q8_0": ["lm_head.weight"]}
+    for kind, named in blocks.items():
+        for name, raw in named.items():
+            floats = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[kind])
+            assert torch.equal(torch.from_numpy(floats), weights[name]), name
+
+    def runner(gguf_blocks: bool) -> ModelRunner:
+        config = EngineConfig(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, gguf_blocks=gguf_blocks)
+        return ModelRunner(config, hf_dir)
+
+    read, floats = runner(True), runner(False)
+    kinds = [m.blocks for m in read.model.modules() if isinstance(m, NativeLinear) and m.blocks is not None]
+    assert sorted(kinds) == ["Q4_0"] * 3 * LAYERS + ["Q8_0"]  # qkv, o and gate_up of each layer, and the head
+    ids = np.random.default_rng(2).integers(0, len(tiny_vocab()), 23).tolist()
+    assert torch.equal(chunked_logits(read, ids, [9, 21, 22, 23]), chunked_logits(floats, ids, [9, 21, 22, 23]))
 
 
 def test_sampling_recommendations_reach_generation_config(tmp_path: Path) -> None:

@@ -169,7 +169,7 @@ def _blocks(kind: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.T
     return torch.from_numpy(blocks), torch.from_numpy(floats.reshape(n, k))
 
 
-KINDS = pytest.mark.parametrize(("kind", "share"), [("Q4_1", 0.19), ("Q8_0", 0.29)])
+KINDS = pytest.mark.parametrize(("kind", "share"), [("Q4_1", 0.19), ("Q8_0", 0.29), ("Q4_0", 0.19)])
 
 
 @KINDS

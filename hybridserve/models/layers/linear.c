@@ -131,6 +131,7 @@ static inline int64_t panel_cols(int64_t n, int64_t p) { return n - p * NR < NR 
  * over the dequantized weight bitwise, from 19% (28%) of the memory traffic at decode batch sizes. */
 #define BLOCK_Q4_1 0
 #define BLOCK_Q8_0 1
+#define BLOCK_Q4_0 2 /* d (q - 8): packed as Q4_1 with m = -8 d, as d q - 8 d rounds to the exact d (q - 8) */
 #define QK 32 /* weights of a GGUF block, along k */
 /* Rows from which a thread expands its block panels into float32 ones rather than dequantizing them in each tile:
  * below, the tiles are few and the writes cost more (one row: 5.8 against 8.9 ms for a 30-layer step's matmuls). */
@@ -159,7 +160,7 @@ static inline int64_t group_bytes(int kind) {
     return kind == BLOCK_Q4_1 ? 2 * NR * (int64_t)sizeof(float) + QK * VW : NR * (int64_t)sizeof(float) + QK * NR;
 }
 
-int64_t linear_blocks_group_bytes(int64_t kind) { return group_bytes((int)kind); }
+int64_t linear_blocks_group_bytes(int64_t kind) { return group_bytes(kind == BLOCK_Q8_0 ? BLOCK_Q8_0 : BLOCK_Q4_1); }
 
 /* The weights of row i of a group, its columns 0 .. VW - 1 in *lo and VW .. NR - 1 in *hi; q: the group's q. */
 static inline __attribute__((always_inline)) void dequantize(int kind, const uint8_t* q, int i, const vf d[2],
@@ -252,16 +253,18 @@ static inline __attribute__((always_inline)) void tile_blocks(int kind, int mr, 
 DEFINE_TILE_ROWS_BLOCKS(tile_rows_q4_1, BLOCK_Q4_1)
 DEFINE_TILE_ROWS_BLOCKS(tile_rows_q8_0, BLOCK_Q8_0)
 
-/* blocks: W [n, k] as GGUF blocks of `kind` (0: Q4_1, 1: Q8_0), row after row (k / 32 blocks a row); w: the same
- * W dequantized, float32 [n, k]; packed: [ceil(n / NR), k / 32, linear_blocks_group_bytes(kind)] (k a multiple of
- * 32), the columns past n zero. Returns how many weights of w the blocks do not give bitwise (0: the packed panels
- * are w's), or -1 for an unknown kind. */
+/* blocks: W [n, k] as GGUF blocks of `kind` (0: Q4_1, 1: Q8_0, 2: Q4_0), row after row (k / 32 blocks a row); w:
+ * the same W dequantized, float32 [n, k]; packed: [ceil(n / NR), k / 32, linear_blocks_group_bytes(kind)] (k a
+ * multiple of 32), the columns past n zero: Q8_0 panels, or for the others Q4_1 ones. Returns how many weights of
+ * w the blocks do not give bitwise (0: the packed panels are w's), or -1 for an unknown kind. */
 int64_t linear_pack_blocks(int64_t kind, const uint8_t* blocks, const float* w, int64_t n, int64_t k,
                            uint8_t* packed) {
-    if (kind != BLOCK_Q4_1 && kind != BLOCK_Q8_0) return -1;
-    const int64_t panels = (n + NR - 1) / NR, groups = k / QK, gb = group_bytes((int)kind);
-    const int64_t block = kind == BLOCK_Q4_1 ? 4 + QK / 2 : 2 + QK; /* GGUF's: d (, m) float16, then q */
-    const int64_t scales = (kind == BLOCK_Q4_1 ? 2 : 1) * NR;
+    if (kind != BLOCK_Q4_1 && kind != BLOCK_Q8_0 && kind != BLOCK_Q4_0) return -1;
+    const int panel = kind == BLOCK_Q8_0 ? BLOCK_Q8_0 : BLOCK_Q4_1;
+    const int64_t panels = (n + NR - 1) / NR, groups = k / QK, gb = group_bytes(panel);
+    const int64_t at = kind == BLOCK_Q4_1 ? 4 : 2; /* GGUF's block: d (, m) float16, then q */
+    const int64_t block = at + (panel == BLOCK_Q4_1 ? QK / 2 : QK);
+    const int64_t scales = (panel == BLOCK_Q4_1 ? 2 : 1) * NR;
     int64_t mismatches = 0;
 #pragma omp parallel for reduction(+ : mismatches) if (n * k >= PARALLEL_MIN_WORK)
     for (int64_t p = 0; p < panels; p++)
@@ -276,20 +279,24 @@ int64_t linear_pack_blocks(int64_t kind, const uint8_t* blocks, const float* w, 
                 if (row >= n) continue;
                 const uint8_t* b = blocks + (row * groups + g) * block;
                 const float d = half_to_float((uint16_t)(b[0] | b[1] << 8));
-                const float m = kind == BLOCK_Q4_1 ? half_to_float((uint16_t)(b[2] | b[3] << 8)) : 0.0f;
+                const float m = kind == BLOCK_Q4_1   ? half_to_float((uint16_t)(b[2] | b[3] << 8))
+                                : kind == BLOCK_Q4_0 ? -8.0f * d
+                                                     : 0.0f;
                 dm[c] = d, dm[NR + c] = m;
                 for (int64_t j = 0; j < QK; j++) {
                     float v;
-                    if (kind == BLOCK_Q4_1) { /* byte j: element j low, element j + 16 high */
-                        const uint8_t nibble = j < QK / 2 ? b[4 + j] & 15 : b[4 + j - QK / 2] >> 4;
+                    if (panel == BLOCK_Q4_1) { /* byte j: element j low, element j + 16 high */
+                        const uint8_t nibble = j < QK / 2 ? b[at + j] & 15 : b[at + j - QK / 2] >> 4;
                         v = fmaf(d, (float)nibble, m);
                         q[j * VW + c % VW] |= (uint8_t)(nibble << (c < VW ? 0 : 4));
                     } else {
                         v = d * (float)(int8_t)b[2 + j];
                         q[j * NR + c] = b[2 + j];
                     }
+                    /* equal, or the same bits (a NaN): Q4_0's d (q - 8) is -0 for q = 8 and d < 0, where d q - 8 d
+                     * gives +0; a sum of products starting at +0 never tells the two apart */
                     const float want = w[row * k + g * QK + j];
-                    mismatches += memcmp(&v, &want, sizeof v) != 0;
+                    mismatches += v != want && memcmp(&v, &want, sizeof v) != 0;
                 }
             }
             memcpy(dst, dm, scales * sizeof(float));

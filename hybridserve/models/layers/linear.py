@@ -5,7 +5,7 @@ Same math as nn.Linear, the weight laid out once for the kernel instead of on ev
   on every CPU, 1.2-1.9x oneDNN's float32 GEMM on an AVX2 CPU at decode batch sizes; bfloat16 on CPUs with
   AVX512-BF16, 1.3-2x oneDNN's bf16 GEMM at 1-64 rows on a CPU with AMX (benchmarks/native_kernels.py).
   Every output element is summed in one fixed order, so a row's result does not depend on its batch.
-  A float32 weight that came from a GGUF's Q4_1 or Q8_0 blocks can be packed from them instead (19% or 28% of
+  A float32 weight that came from a GGUF's Q4_0, Q4_1 or Q8_0 blocks can be packed from them instead (19% or 28% of
   the bytes, dequantized in the cache as the sums need it): the same sums bit for bit, checked weight by
   weight at packing.
 - otherwise (no C compiler, native kernels off, bf16 without AVX512-BF16): weights pre-packed for oneDNN,

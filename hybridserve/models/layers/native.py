@@ -246,8 +246,9 @@ class _ArgmaxKernels(NamedTuple):
     meta_rows: int
 
 
-# GGUF block formats the float32 matmuls read in place: linear.c's code for the kind, bytes per 32 weights
-BLOCKS = {"Q4_1": (0, 20), "Q8_0": (1, 34)}
+# GGUF block formats the float32 matmuls read in place: linear.c's code for the kind, bytes per 32 weights, the
+# panels it is packed into (Q4_0's d (q - 8) is Q4_1's d q + m with m = -8 d, exactly)
+BLOCKS = {"Q4_1": (0, 20, "q4_1"), "Q8_0": (1, 34, "q8_0"), "Q4_0": (2, 18, "q4_1")}
 
 
 class LinearKernels:
@@ -264,11 +265,12 @@ class LinearKernels:
         self._linear = {torch.float32: _function(lib, "linear_f32", [_P, _I, _I, _I, _P, _I, _P, _P])}
         # float32 matmuls over weights kept in GGUF blocks (their panels: uint8), by GGUF's name for the format
         self._linear_blocks = {
-            kind: _function(lib, f"linear_{kind.lower()}_f32", [_P, _I, _I, _I, _P, _I, _P, _P]) for kind in BLOCKS
+            kind: _function(lib, f"linear_{panels}_f32", [_P, _I, _I, _I, _P, _I, _P, _P])
+            for kind, (_, _, panels) in BLOCKS.items()
         }
         self._pack_blocks = _function(lib, "linear_pack_blocks", [_I, _P, _P, _I, _I, _P], _I)
         group_bytes = _function(lib, "linear_blocks_group_bytes", [_I], _I)
-        self._group_bytes = {kind: int(group_bytes(code)) for kind, (code, _) in BLOCKS.items()}
+        self._group_bytes = {kind: int(group_bytes(code)) for kind, (code, _, _) in BLOCKS.items()}
         if torch.bfloat16 in self.panel_width:
             self._pack[torch.bfloat16] = _function(lib, "linear_pack_bf16", [_P, _I, _I, _P])
             self._linear[torch.bfloat16] = _function(lib, "linear_bf16", [_P, _I, _I, _I, _P, _I, _P, _P, _I])
@@ -318,11 +320,11 @@ class LinearKernels:
 
     def pack_blocks(self, weight: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor | None:
         """Panels of a float32 weight [N, K] from its GGUF blocks of `kind` (a key of BLOCKS; uint8 [N, K / 32 *
-        block bytes], rows in the weight's order): uint8 [ceil(N / width), K / 32, group bytes], 19% (Q4_1) or
+        block bytes], rows in the weight's order): uint8 [ceil(N / width), K / 32, group bytes], 19% (Q4_1, Q4_0) or
         28% (Q8_0) of the float32 panels' bytes, which linear(..., blocks=kind) sums bitwise as it sums
         pack(weight). None if the blocks do not give the weight bitwise."""
         n, k = weight.shape
-        block = BLOCKS[kind][1]
+        code, block, _ = BLOCKS[kind]
         if (
             weight.dtype != torch.float32
             or blocks.dtype != torch.uint8
@@ -336,7 +338,7 @@ class LinearKernels:
         width = self.panel_width[torch.float32]
         packed = torch.empty((-(-n // width), k // 32, self._group_bytes[kind]), dtype=torch.uint8)
         weight, blocks = weight.contiguous(), blocks.contiguous()
-        mismatches = self._pack_blocks(BLOCKS[kind][0], blocks.data_ptr(), weight.data_ptr(), n, k, packed.data_ptr())
+        mismatches = self._pack_blocks(code, blocks.data_ptr(), weight.data_ptr(), n, k, packed.data_ptr())
         return packed if mismatches == 0 else None
 
     def linear(

@@ -1,5 +1,5 @@
 """Convert a GGUF file into a cached Hugging Face-layout directory: config, float32 weights, tokenizer; and the
-Q4_1 and Q8_0 blocks of its matmuls' weights (BLOCKS_DIR), from which CPU kernels sum those weights bitwise as
+Q4_0, Q4_1 and Q8_0 blocks of its matmuls' weights (BLOCKS_DIR), from which CPU kernels sum those weights bitwise as
 float32 from 19% or 28% of the memory."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ FORMAT_VERSION = 4  # part of the cache key: bump when the converted layout chan
 # Under the converted directory: <kind>.safetensors, a matmul weight's GGUF blocks of that kind, uint8 [rows,
 # K / 32 * block bytes] under the weight's HF name (a tied head's under the embedding's)
 BLOCKS_DIR = "gguf_blocks"
-BLOCK_KINDS = (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0)
+BLOCK_KINDS = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0)
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,7 @@ def convert_tensors(
     reader: gguf.GGUFReader, spec: ArchSpec, config: dict[str, Any], path: Path
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
     """The float32 tensors under their HF names, and by kind (GGUF's name) the blocks of the matmuls' weights
-    that are Q4_1 or Q8_0 (rows as the float32 weight's): the projections' and the head's."""
+    that are Q4_0, Q4_1 or Q8_0 (rows as the float32 weight's): the projections' and the head's."""
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     head = "model.embed_tokens.weight" if config["tie_word_embeddings"] else "lm_head.weight"
     matmuls = {f"{p}.weight" for p in ATTENTION_PROJECTIONS + MLP_PROJECTIONS}
