@@ -260,14 +260,19 @@ def write_gguf(
     writer.close()
 
 
-def test_llama_with_biases_and_output_weight_round_trips(tmp_path: Path) -> None:
-    original = hf_weights(len(tiny_vocab()), np.random.default_rng(0))
-    in_file = {
+def as_in_gguf(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF weights as llama.cpp's converter writes them: Q and K permuted."""
+    return {
         name: llama_cpp_permute(w, HEADS if ".q_proj." in name else KV_HEADS)
         if ".q_proj." in name or ".k_proj." in name
         else w
-        for name, w in original.items()
+        for name, w in weights.items()
     }
+
+
+def test_llama_with_biases_and_output_weight_round_trips(tmp_path: Path) -> None:
+    original = hf_weights(len(tiny_vocab()), np.random.default_rng(0))
+    in_file = as_in_gguf(original)
     write_gguf(tmp_path / "tiny.gguf", "llama", in_file)
     ours = load_state_dict(convert_gguf(tmp_path / "tiny.gguf", tmp_path / "cache"), torch.float32, CPU)
     for i in range(LAYERS):  # HF Llama biases all four attention projections or none
@@ -289,12 +294,7 @@ def test_quantized_matmuls_keep_their_blocks_and_the_engine_sums_them_bitwise(tm
     matmuls read blocks) and a Q8_0 output head: the conversion keeps their blocks, they dequantize to the converted
     weights, and an engine reading them computes the logits of one reading float32 copies, bit for bit."""
     original = hf_weights(len(tiny_vocab()), np.random.default_rng(1))
-    in_file = {
-        name: llama_cpp_permute(w, HEADS if ".q_proj." in name else KV_HEADS)
-        if ".q_proj." in name or ".k_proj." in name
-        else w
-        for name, w in original.items()
-    }
+    in_file = as_in_gguf(original)
     q4_0 = [n for n in original if n.endswith("_proj.weight") and "down_proj" not in n]
     types = {n: gguf.GGMLQuantizationType.Q4_0 for n in q4_0} | {"lm_head.weight": gguf.GGMLQuantizationType.Q8_0}
     write_gguf(tmp_path / "tiny.gguf", "llama", in_file, quantized=types)
