@@ -22,23 +22,24 @@ from torch import nn
 from benchmarks.report import panel_plot, say, write_csv
 from hybridserve.models.layers.linear import NativeLinear
 from hybridserve.models.layers.native import LinearKernels, load_linear_kernels
+from hybridserve.models.llama import LlamaForCausalLM
 from hybridserve.models.loader import resolve_model
 from hybridserve.models.loader.gguf import gguf_blocks
-from hybridserve.models.loader.safetensors import load_state_dict, pack
+from hybridserve.models.loader.safetensors import load_config, load_state_dict, pack
 
-PACKED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def layers(kernels: LinearKernels) -> dict[str, list[NativeLinear]]:
     """The default model's projections in step order, packed from float32 and from Q4_1 blocks."""
     hf_dir = resolve_model(None).hf_dir
-    fused = {"qkv_proj": PACKED["self_attn.qkv_proj"], "gate_up_proj": PACKED["mlp.gate_up_proj"]}
+    fused = LlamaForCausalLM.packed_modules
     weights = pack(load_state_dict(hf_dir, torch.float32, torch.device("cpu")), fused)
     blocks = pack(gguf_blocks(hf_dir).get("Q4_1", {}), fused)
     if not blocks:
         raise SystemExit(f"{hf_dir} keeps no Q4_1 blocks")
-    names = [f"model.layers.{i}.{p}.weight" for i in range(30) for p in PROJECTIONS]
+    layer_count = load_config(hf_dir)["num_hidden_layers"]
+    names = [f"model.layers.{i}.{p}.weight" for i in range(layer_count) for p in PROJECTIONS]
     sides: dict[str, list[NativeLinear]] = {"float32": [], "q4_1": []}
     for name in names:
         w = weights[name]

@@ -135,8 +135,6 @@ class ModelRunner:
             if kernels is not None and config.gguf_blocks and self.dtype == torch.float32:
                 for kind, named in gguf_blocks(hf_dir).items():
                     named = pack(state_adapter(cls)(named), model.packed_modules, partial=True)
-                    if self.hf_config.tie_word_embeddings and "model.embed_tokens.weight" in named:
-                        named["lm_head.weight"] = named.pop("model.embed_tokens.weight")
                     blocks |= {name: (kind, tensor) for name, tensor in named.items()}
             pack_linears(model, kernels, blocks)
             self._log_blocks(model, blocks)
@@ -233,7 +231,7 @@ class ModelRunner:
         native = [m for m in model.modules() if isinstance(m, NativeLinear)]
         packed = [m for m in native if m.blocks is not None]
         if packed:
-            kinds = sorted({m.blocks for m in packed if m.blocks is not None})
+            kinds = sorted({str(m.blocks) for m in packed})
             logger.info(
                 "%d of %d matmuls sum their weights from GGUF blocks (%s), bitwise as float32: %.0f MiB read instead "
                 "of %.0f MiB",

@@ -355,8 +355,11 @@ class LinearKernels:
         dtype, or with float_out in float32, the sums unrounded."""
         m, k = x.shape
         dtype = torch.float32 if blocks is not None else packed.dtype
-        # bf16 panels hold k in pairs, block ones in groups of 32
-        packed_k = k / 32 if blocks is not None else k if packed.dtype == torch.float32 else -(-k // 2)
+        # bf16 panels hold k in pairs, block ones in groups of 32 (no K but a multiple of 32 matches them)
+        if blocks is not None:
+            packed_k = k // 32 if k % 32 == 0 else -1
+        else:
+            packed_k = k if packed.dtype == torch.float32 else -(-k // 2)
         if x.dtype != dtype or packed_k != packed.shape[1] or (x.stride(1) != 1 and m > 0):
             raise ValueError(
                 f"input must be {dtype} [M, K] with K the weight's ({packed.dtype} panels "

@@ -30,9 +30,9 @@ from hybridserve.paths import cache_dir
 logger = logging.getLogger("hybridserve.loader")
 
 GGUF_MAGIC = b"GGUF"
-FORMAT_VERSION = 4  # part of the cache key: bump when the converted layout changes
+FORMAT_VERSION = 5  # part of the cache key: bump when the converted layout changes
 # Under the converted directory: <kind>.safetensors, a matmul weight's GGUF blocks of that kind, uint8 [rows,
-# K / 32 * block bytes] under the weight's HF name (a tied head's under the embedding's)
+# K / 32 * block bytes] under the weight's HF name (a tied head's under lm_head.weight: they are the head's blocks)
 BLOCKS_DIR = "gguf_blocks"
 BLOCK_KINDS = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0)
 
@@ -274,7 +274,10 @@ def convert_tensors(
             raw = None if raw is None else unpermute_rotary(raw, heads[projection])
         tensors[name] = torch.from_numpy(np.array(weights, dtype=np.float32))
         if raw is not None:
-            blocks.setdefault(tensor.tensor_type.name, {})[name] = torch.from_numpy(np.array(raw, dtype=np.uint8))
+            matmul_name = "lm_head.weight" if name == head else name
+            blocks.setdefault(tensor.tensor_type.name, {})[matmul_name] = torch.from_numpy(
+                np.array(raw, dtype=np.uint8)
+            )
     return tensors, blocks
 
 
