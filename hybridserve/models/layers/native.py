@@ -11,7 +11,7 @@ them in a dozen batched ops and scattering them back.
 
 Each source is compiled once per (source and the shared cpu_math.h, compiler, CPU, compile-time shape)
 with the system C compiler (`$CC`, default `cc`) into the cache directory, so later starts only load it
-(~1 ms); a first build takes well under a second. Without a working compiler the engine logs why and
+(~1 ms); a first build takes 0.5-2 s a library. Without a working compiler the engine logs why and
 keeps the PyTorch ops, which compute the same thing.
 
 The libraries are linked with -fopenmp and loaded into a process where PyTorch already loaded its libgomp,
