@@ -60,6 +60,24 @@ static inline __m512 exp_approx16(__m512 x) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* exp_approx on eight lanes, the same steps, so the same bits; NaN stays NaN. */
+static inline __m256 exp_approx8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+    const __m256 round = _mm256_set1_ps(12582912.0f);
+    const __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), round), round);
+    const __m256 r =
+        _mm256_fnmadd_ps(k, _mm256_set1_ps(1.42860677e-6f), _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145752f), x));
+    static const float coefficients[] = {8.33333377e-3f, 4.16666679e-2f, 1.66666672e-1f, 0.5f, 1.0f, 1.0f};
+    __m256 p = _mm256_set1_ps(1.38888892e-3f);
+    for (int i = 0; i < 6; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(coefficients[i]));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+#endif
+
 #if defined(__AVX512BF16__)
 /* Sixteen bfloat16 values (m: which) widened exactly to float32. */
 static inline __m512 load_bf16x16(const uint16_t* p, __mmask16 m) {

@@ -35,9 +35,10 @@
 /* How a block's key scores are computed: in float32 with the query heads scaled once (any target), or,
  * for bfloat16 on CPUs with AVX512-BF16, with dot-product instructions straight on the stored bf16 keys
  * and queries (exact products, float32 sums). -DPORTABLE forces the first, so tests cover both. The decode
- * loop below takes a block's scores from BLOCK_SCORES (setting p[g][t], raising block_max[g] and asking for the
- * next block's lines among its products) and its value sums from VALUE_SUMS; a key at a time and an element at a
- * time in plain C (BLOCK_SCORES_EACH_KEY, VALUE_SUMS_EACH_ELEMENT), float32 on AVX2 its own of both. */
+ * loop below takes a block's scores from BLOCK_SCORES (setting p[g][t] and asking for the next block's lines among
+ * its products), the online softmax step that turns them into weights from BLOCK_WEIGHTS, and its value sums from
+ * VALUE_SUMS; a key at a time and an element at a time in plain C (BLOCK_SCORES_EACH_KEY, BLOCK_WEIGHTS_EACH_KEY,
+ * VALUE_SUMS_EACH_ELEMENT), float32 on AVX2 its own of all three. */
 #define LOAD_QUERIES_FLOAT(LOAD)                                                                             \
     float qf[GROUP][HEAD_DIM];                                                                               \
     for (int g = 0; g < GROUP; g++)                                                                          \
@@ -51,7 +52,6 @@
             float dot = 0.0f;                                                                                \
             _Pragma("omp simd reduction(+ : dot)") for (int d = 0; d < HEAD_DIM; d++) dot += qf[g][d] * k[d]; \
             p[g][t] = dot;                                                                                   \
-            block_max[g] = dot > block_max[g] ? dot : block_max[g];                                          \
         }                                                                                                    \
     }
 
@@ -64,6 +64,21 @@
             __builtin_prefetch(next_v + o);                                                                  \
         }                                                                                                    \
         KEY_SCORES_FLOAT(LOAD, kb + t * HEAD_DIM, t)                                                         \
+    }
+
+/* The online softmax step over a block's n scores p[g][t] of each query head: its maximum so far, the rescale of
+ * what came before (rescale[g]), the keys' weights in place of their scores and their sum. */
+#define BLOCK_WEIGHTS_EACH_KEY(n, rescale)                                                                   \
+    for (int g = 0; g < GROUP; g++) {                                                                        \
+        float top = run_max[g], sum = 0.0f;                                                                  \
+        for (int t = 0; t < n; t++) top = p[g][t] > top ? p[g][t] : top;                                     \
+        rescale[g] = exp_approx(run_max[g] - top);                                                           \
+        _Pragma("omp simd reduction(+ : sum)") for (int t = 0; t < n; t++) {                                 \
+            p[g][t] = exp_approx(p[g][t] - top);                                                             \
+            sum += p[g][t];                                                                                  \
+        }                                                                                                    \
+        run_max[g] = top;                                                                                    \
+        run_sum[g] = run_sum[g] * rescale[g] + sum;                                                          \
     }
 
 /* Query head g's running sums rescaled, then the block's n weighted values added, a key at a time. */
@@ -87,7 +102,8 @@
         _Pragma("omp parallel for schedule(dynamic, 1)") for (int64_t item = 0; item < batch * kv_heads;     \
                                                               item++) {                                      \
             const int64_t b = item / kv_heads, h = item % kv_heads, len = lens[b];                           \
-            float acc[GROUP][HEAD_DIM], p[GROUP][BLOCK_SIZE], run_max[GROUP], run_sum[GROUP];                \
+            float acc[GROUP][HEAD_DIM], p[GROUP][BLOCK_SIZE] __attribute__((aligned(32)));                   \
+            float run_max[GROUP], run_sum[GROUP];                                                            \
             const T* queries = q + b * q_stride + h * GROUP * HEAD_DIM;                                      \
             LOAD_QUERIES(queries)                                                                            \
             for (int g = 0; g < GROUP; g++) {                                                                \
@@ -105,20 +121,10 @@
                 const int64_t next = start + BLOCK_SIZE < len ? tables[b * table_stride + j + 1] : block;    \
                 const char* next_k = (const char*)(keys + next * BLOCK_SIZE * HEAD_DIM);                     \
                 const char* next_v = (const char*)(values + next * BLOCK_SIZE * HEAD_DIM);                   \
-                float block_max[GROUP];                                                                      \
-                for (int g = 0; g < GROUP; g++) block_max[g] = run_max[g];                                   \
+                float rescale[GROUP];                                                                        \
                 BLOCK_SCORES(kb, n, next_k, next_v)                                                          \
-                for (int g = 0; g < GROUP; g++) {                                                            \
-                    const float rescale = exp_approx(run_max[g] - block_max[g]);                             \
-                    float sum = 0.0f;                                                                        \
-                    _Pragma("omp simd reduction(+ : sum)") for (int t = 0; t < n; t++) {                     \
-                        p[g][t] = exp_approx(p[g][t] - block_max[g]);                                        \
-                        sum += p[g][t];                                                                      \
-                    }                                                                                        \
-                    run_max[g] = block_max[g];                                                               \
-                    run_sum[g] = run_sum[g] * rescale + sum;                                                 \
-                    VALUE_SUMS(vb, n, g, rescale)                                                            \
-                }                                                                                            \
+                BLOCK_WEIGHTS(n, rescale)                                                                    \
+                for (int g = 0; g < GROUP; g++) VALUE_SUMS(vb, n, g, rescale[g])                             \
             }                                                                                                \
             for (int g = 0; g < GROUP; g++) {                                                                \
                 T* dst = out + (b * q_heads + h * GROUP + g) * HEAD_DIM;                                     \
@@ -358,10 +364,12 @@ void paged_decode_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* cach
 #else
 #define LOAD_QUERIES(queries) LOAD_QUERIES_FLOAT(bf16_to_float)
 #define BLOCK_SCORES(kb, n, next_k, next_v) BLOCK_SCORES_EACH_KEY(uint16_t, bf16_to_float, kb, n, next_k, next_v)
+#define BLOCK_WEIGHTS(n, rescale) BLOCK_WEIGHTS_EACH_KEY(n, rescale)
 #define VALUE_SUMS(vb, n, g, rescale) VALUE_SUMS_EACH_ELEMENT(bf16_to_float, vb, n, g, rescale)
 DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_float, float_to_bf16)
 #undef LOAD_QUERIES
 #undef BLOCK_SCORES
+#undef BLOCK_WEIGHTS
 #undef VALUE_SUMS
 #endif
 
@@ -369,11 +377,11 @@ DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_float, float_to_bf16)
 #include <immintrin.h>
 /* float32 on AVX2: four keys' scores for every query head of the group at once (12 accumulators over the
  * dimensions, eight at a time, the three query vectors and a key vector in registers), then each head's four
- * sums out of their vectors by one horizontal-add tree instead of one reduction a key: keys t0 .. t0 + nk - 1.
- * Among the products, the same four rows of the next block's keys and values are asked for a line at a time. */
+ * sums out of their vectors by one horizontal-add tree instead of one reduction a key: keys t0 .. t0 + 3, the
+ * sums past the block's nk keys not to be used. Among the products, the same four rows of the next block's keys
+ * and values are asked for a line at a time. */
 static inline void key_scores4_f32(const float (*qf)[HEAD_DIM], const float* kb, int t0, int nk,
-                                   float (*p)[BLOCK_SIZE], float* block_max, const char* next_k,
-                                   const char* next_v) {
+                                   float (*p)[BLOCK_SIZE], const char* next_k, const char* next_v) {
     __m256 acc[4][GROUP];
     for (int t = 0; t < 4; t++)
         for (int g = 0; g < GROUP; g++) acc[t][g] = _mm256_setzero_ps();
@@ -395,17 +403,60 @@ static inline void key_scores4_f32(const float (*qf)[HEAD_DIM], const float* kb,
     }
     for (int g = 0; g < GROUP; g++) {
         const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][g], acc[1][g]), _mm256_hadd_ps(acc[2][g], acc[3][g]));
-        float s[4];
-        _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-        for (int t = 0; t < nk; t++) {
-            p[g][t0 + t] = s[t];
-            block_max[g] = s[t] > block_max[g] ? s[t] : block_max[g];
-        }
+        _mm_storeu_ps(p[g] + t0, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
     }
 }
 #define BLOCK_SCORES(kb, n, next_k, next_v)                                                                  \
-    for (int t0 = 0; t0 < n; t0 += 4)                                                                        \
-        key_scores4_f32(qf, kb, t0, n - t0 < 4 ? n - t0 : 4, p, block_max, next_k, next_v);
+    for (int t0 = 0; t0 < n; t0 += 4) key_scores4_f32(qf, kb, t0, n - t0 < 4 ? n - t0 : 4, p, next_k, next_v);
+
+#if BLOCK_SIZE == 16 && GROUP <= 8
+/* The eight lanes' largest, and their sum in a fixed order (halves, then pairs). */
+static inline float lanes_max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float lanes_sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* BLOCK_WEIGHTS_EACH_KEY in vectors: a head's 16 scores are two, so its maximum, exponentials and their sum take a
+ * few instructions where a key at a time made chains of scalar ones, and every head's rescale is one exponential
+ * of eight lanes. A step's 30 layers of decode attention, context 650, on a Zen 3: keys in L1, batch 8 5.4-5.5 ->
+ * 4.7-4.8 ms, batch 32 20.2-20.6 -> 18.2 ms; from memory, blocks scattered, 0-5% faster. Keys past n score -inf
+ * and weigh zero. */
+static inline void block_weights_f32(float (*p)[BLOCK_SIZE], int n, float* run_max, float* run_sum, float* rescale) {
+    const __m256 count = _mm256_set1_ps((float)n), none = _mm256_set1_ps(-INFINITY);
+    const __m256 seen_lo = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), count, _CMP_LT_OQ);
+    const __m256 seen_hi = _mm256_cmp_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), count, _CMP_LT_OQ);
+    __m256 lo[GROUP], hi[GROUP];
+    float top[GROUP], shift[8] __attribute__((aligned(32))) = {0}, scales[8] __attribute__((aligned(32)));
+    for (int g = 0; g < GROUP; g++) {
+        lo[g] = _mm256_blendv_ps(none, _mm256_load_ps(p[g]), seen_lo);
+        hi[g] = _mm256_blendv_ps(none, _mm256_load_ps(p[g] + 8), seen_hi);
+        const float seen = lanes_max8(_mm256_max_ps(lo[g], hi[g]));
+        top[g] = seen > run_max[g] ? seen : run_max[g];
+        shift[g] = run_max[g] - top[g];
+    }
+    _mm256_store_ps(scales, exp_approx8(_mm256_load_ps(shift)));
+    for (int g = 0; g < GROUP; g++) {
+        const __m256 t = _mm256_set1_ps(top[g]);
+        const __m256 w_lo = _mm256_and_ps(exp_approx8(_mm256_sub_ps(lo[g], t)), seen_lo);
+        const __m256 w_hi = _mm256_and_ps(exp_approx8(_mm256_sub_ps(hi[g], t)), seen_hi);
+        _mm256_store_ps(p[g], w_lo);
+        _mm256_store_ps(p[g] + 8, w_hi);
+        rescale[g] = scales[g];
+        run_max[g] = top[g];
+        run_sum[g] = run_sum[g] * scales[g] + lanes_sum8(_mm256_add_ps(w_lo, w_hi));
+    }
+}
+#define BLOCK_WEIGHTS(n, rescale) block_weights_f32(p, n, run_max, run_sum, rescale);
+#else
+#define BLOCK_WEIGHTS(n, rescale) BLOCK_WEIGHTS_EACH_KEY(n, rescale)
+#endif
 /* Query head g's value sums in eight registers across the block's keys (rescaled as they are loaded), instead of
  * every head's sums through memory a key at a time: per element the same products added in the same order. */
 #define VALUE_SUMS(vb, n, g, rescale)                                                                        \
@@ -422,12 +473,14 @@ static inline void key_scores4_f32(const float (*qf)[HEAD_DIM], const float* kb,
     }
 #else
 #define BLOCK_SCORES(kb, n, next_k, next_v) BLOCK_SCORES_EACH_KEY(float, identity, kb, n, next_k, next_v)
+#define BLOCK_WEIGHTS(n, rescale) BLOCK_WEIGHTS_EACH_KEY(n, rescale)
 #define VALUE_SUMS(vb, n, g, rescale) VALUE_SUMS_EACH_ELEMENT(identity, vb, n, g, rescale)
 #endif
 #define LOAD_QUERIES(queries) LOAD_QUERIES_FLOAT(identity)
 DEFINE_PAGED_DECODE(paged_decode_f32, float, identity, identity)
 #undef LOAD_QUERIES
 #undef BLOCK_SCORES
+#undef BLOCK_WEIGHTS
 #undef VALUE_SUMS
 
 /* Which key-score path the bfloat16 kernel was built with, for tests and logs: 1 dot-product instructions. */
