@@ -41,41 +41,30 @@ static inline float exp_approx(float x) {
     return p * scale.f;
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 
-/* exp_approx on sixteen lanes, the same steps (GCC contracts the scalar one into these FMAs), so the same
- * bits; NaN stays NaN. */
-static inline __m512 exp_approx16(__m512 x) {
-    x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
-    const __m512 round = _mm512_set1_ps(12582912.0f);
-    const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), round), round);
-    const __m512 r =
-        _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-6f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), x));
-    static const float coefficients[] = {8.33333377e-3f, 4.16666679e-2f, 1.66666672e-1f, 0.5f, 1.0f, 1.0f};
-    __m512 p = _mm512_set1_ps(1.38888892e-3f);
-    for (int i = 0; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coefficients[i]));
-    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
-}
+/* exp_approx on a vector of W bits' float lanes (W: 256 or 512), the same steps (GCC contracts the scalar one into
+ * these FMAs), so the same bits; NaN stays NaN. */
+#define DEFINE_EXP_APPROX(NAME, W)                                                                             \
+    static inline __m##W NAME(__m##W x) {                                                                      \
+        x = _mm##W##_min_ps(_mm##W##_set1_ps(88.0f), _mm##W##_max_ps(_mm##W##_set1_ps(-87.0f), x));           \
+        const __m##W round = _mm##W##_set1_ps(12582912.0f);                                                    \
+        const __m##W k = _mm##W##_sub_ps(_mm##W##_fmadd_ps(x, _mm##W##_set1_ps(1.44269504f), round), round);   \
+        const __m##W r = _mm##W##_fnmadd_ps(k, _mm##W##_set1_ps(1.42860677e-6f),                               \
+                                            _mm##W##_fnmadd_ps(k, _mm##W##_set1_ps(0.693145752f), x));         \
+        static const float coefficients[] = {8.33333377e-3f, 4.16666679e-2f, 1.66666672e-1f, 0.5f, 1.0f, 1.0f}; \
+        __m##W p = _mm##W##_set1_ps(1.38888892e-3f);                                                           \
+        for (int i = 0; i < 6; i++) p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(coefficients[i]));           \
+        const __m##W##i e = _mm##W##_add_epi32(_mm##W##_cvttps_epi32(k), _mm##W##_set1_epi32(127));            \
+        return _mm##W##_mul_ps(p, _mm##W##_castsi##W##_ps(_mm##W##_slli_epi32(e, 23)));                        \
+    }
 #endif
-
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-/* exp_approx on eight lanes, the same steps, so the same bits; NaN stays NaN. */
-static inline __m256 exp_approx8(__m256 x) {
-    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
-    const __m256 round = _mm256_set1_ps(12582912.0f);
-    const __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), round), round);
-    const __m256 r =
-        _mm256_fnmadd_ps(k, _mm256_set1_ps(1.42860677e-6f), _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145752f), x));
-    static const float coefficients[] = {8.33333377e-3f, 4.16666679e-2f, 1.66666672e-1f, 0.5f, 1.0f, 1.0f};
-    __m256 p = _mm256_set1_ps(1.38888892e-3f);
-    for (int i = 0; i < 6; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(coefficients[i]));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
+DEFINE_EXP_APPROX(exp_approx8, 256)
+#endif
+#if defined(__AVX512F__)
+DEFINE_EXP_APPROX(exp_approx16, 512)
 #endif
 
 #if defined(__AVX512BF16__)
