@@ -291,8 +291,8 @@ int64_t linear_pack_blocks(int64_t kind, const uint8_t* blocks, const float* w, 
                         v = fmaf(d, (float)nibble, m);
                         q[j * VW + c % VW] |= (uint8_t)(nibble << (c < VW ? 0 : 4));
                     } else {
-                        v = d * (float)(int8_t)b[2 + j];
-                        q[j * NR + c] = b[2 + j];
+                        v = d * (float)(int8_t)b[at + j];
+                        q[j * NR + c] = b[at + j];
                     }
                     /* equal, or the same bits (a NaN): Q4_0's d (q - 8) is -0 for q = 8 and d < 0, where d q - 8 d
                      * gives +0; a sum of products starting at +0 never tells the two apart */
@@ -391,7 +391,7 @@ static inline __attribute__((always_inline)) void linear_panels(const float* x, 
 
 void linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const float* packed, int64_t n,
                 const float* bias, float* y) {
-    linear_panels(x, x_stride, m, k, packed, 0, BLOCK_Q4_1, n, bias, y);
+    linear_panels(x, x_stride, m, k, packed, 0, BLOCK_Q4_1 /* unused without blocks */, n, bias, y);
 }
 
 /* linear_f32 over W's block panels (linear_pack_blocks), bitwise linear_f32's over W dequantized. */
