@@ -175,6 +175,20 @@ static inline __attribute__((always_inline)) void dequantize(int kind, const uin
     }
 }
 
+/* How far ahead of the group it sums a tile (or an expansion) asks for a block panel's bytes. With the hardware's
+ * prefetchers alone a one-row tile waited on memory a third of its time. Alternating with the code before, the
+ * 120 matmuls of the default model took 6.4 against 7.2 ms at one row, 7.4 against 8.2 at two, 2-4% less at
+ * 8-32 rows (the expansion's reads), the same at 4-6; 6 and 12 KiB ahead measured worse than 9, T1 prefetches
+ * (into L2 as well) no better than non-temporal ones. */
+#define BLOCK_AHEAD 9216
+
+/* The lines of the group at `group` (gb bytes), BLOCK_AHEAD bytes on, as non-temporal prefetches: a block panel's
+ * bytes are read once per call. Past the end of a panel they are the next one this thread reads (its panels are
+ * adjacent under the static split; past the last, harmless: a prefetch never faults). */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* group, int64_t gb) {
+    for (int64_t line = 0; line < gb; line += 64) __builtin_prefetch(group + BLOCK_AHEAD + line, 0, 0);
+}
+
 /* A group's d vectors and m vectors (NULL for Q8_0), read in place from the panel, and where its q start. (Copied
  * out into arrays, they took a store and a reload per vector and group, 10% of a one-row step's tiles.) */
 static inline __attribute__((always_inline)) const uint8_t* group_scales(int kind, const uint8_t* src, const vf** d,
@@ -219,7 +233,10 @@ static inline __attribute__((always_inline)) void tile_blocks(int kind, int mr, 
     for (int64_t g = 0; g < k / QK; g++) {
         const vf *d[2], *m[2];
         const uint8_t* q[2];
-        for (int j = 0; j < np; j++) q[j] = group_scales(kind, panel + j * panel_bytes + g * gb, &d[j], &m[j]);
+        for (int j = 0; j < np; j++) {
+            q[j] = group_scales(kind, panel + j * panel_bytes + g * gb, &d[j], &m[j]);
+            prefetch_ahead(panel + j * panel_bytes + g * gb, gb);
+        }
         const float* xg = x + g * QK;
         for (int i = 0; i < QK; i++) {
             vf b[4];
@@ -312,6 +329,7 @@ static inline __attribute__((always_inline)) void expand_blocks(int kind, const 
     for (int64_t g = 0; g < np * groups; g++) {
         const vf *d, *m;
         const uint8_t* q = group_scales(kind, packed + (p0 * groups + g) * gb, &d, &m);
+        prefetch_ahead(packed + (p0 * groups + g) * gb, gb);
         float* dst = out + g * QK * NR;
         for (int i = 0; i < QK; i++) dequantize(kind, q, i, d, m, (vf*)(dst + i * NR), (vf*)(dst + i * NR + VW));
     }
