@@ -1,17 +1,20 @@
-"""The child-process helper: ready handshake, start-up failures named, dying with the parent, sockets removed."""
+"""The child-process helper: ready handshake, start-up failures named, dying with the parent, sockets removed; a
+serving process's start-up heap kept out of garbage collection."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
 import time
+import weakref
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from hybridserve.process import ChildEnd, ChildProcesses, ChildStartupError
+from hybridserve.process import ChildEnd, ChildProcesses, ChildStartupError, freeze_startup_heap
 
 WAIT_S = 30.0
 
@@ -165,3 +168,42 @@ def test_a_killed_parents_socket_directory_is_removed_by_the_next_start(tmp_path
     (stale / "w0").write_text("")  # a socket file left behind
     assert remove_stale_socket_dirs(str(tmp_path)) == [str(stale)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, other.name])
+
+
+class Node:
+    other: Node | None = None
+
+
+def cycle() -> weakref.ref[Node]:
+    """Two nodes that refer to each other and to nothing else: garbage only the collector can free."""
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
+
+
+def freeze_in_a_fresh_process(results: multiprocessing.Queue) -> None:
+    gc.disable()  # only the collections asked for: none may free start-up's garbage by chance
+    kept = [Node() for _ in range(1000)]  # start-up's live objects
+    before = cycle()  # start-up's garbage
+    frozen = freeze_startup_heap("test child")
+    after = cycle()
+    gc.collect()
+    tracked = {id(o) for o in gc.get_objects()}
+    results.put((before() is None, frozen, any(id(node) in tracked for node in kept), after() is None))
+
+
+def test_freezing_the_start_up_heap_collects_its_garbage_first_and_keeps_collecting_later_garbage() -> None:
+    """In a child process: the pytest process's heap stays as it is."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=freeze_in_a_fresh_process, args=(results,))
+    child.start()
+    try:
+        before_collected, frozen, kept_tracked, after_collected = results.get(timeout=WAIT_S)
+    finally:
+        child.join(WAIT_S)
+        child.kill()
+    assert before_collected, "start-up's garbage cycle was frozen instead of collected"
+    assert frozen >= 1000
+    assert not kept_tracked, "start-up's objects are still walked by every full collection"
+    assert after_collected, "a garbage cycle made after the freeze was not collected"

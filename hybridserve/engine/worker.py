@@ -49,6 +49,7 @@ from hybridserve.engine.protocol import (
     WorkerIdentity,
     protocol_fingerprint,
 )
+from hybridserve.process import ChildEnd, freeze_startup_heap
 
 logger = logging.getLogger("hybridserve.worker")
 
@@ -149,6 +150,7 @@ class EngineWorker:
         self._stopping = True
 
     def serve(self) -> None:
+        freeze_startup_heap("engine worker")
         logger.info("engine worker ready (%s): serving %s at %s", self.role, self.identity.model, self.listen)
         try:
             while not self._stopping and not self.stop_when():
@@ -294,8 +296,6 @@ def _error_output(request_id: str, error: str) -> EngineCoreOutput:
 
 def run_local_worker(config: EngineConfig, hf_dir: Path, model_name: str, listen: str) -> None:
     """Entry point of a worker process `serve` spawned: it dies with its parent and stops on SIGTERM."""
-    from hybridserve.process import ChildEnd
-
     child = ChildEnd()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides

@@ -16,6 +16,7 @@ import uvicorn
 import yaml
 
 from hybridserve.config import DeploymentConfig, EngineConfig, parse_bytes
+from hybridserve.process import freeze_startup_heap
 from hybridserve.sampling_params import InvalidParameter
 from hybridserve.serving import run_batch
 from hybridserve.serving.flags import (
@@ -307,6 +308,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         )
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         servers.append(ReadyServer(server_config, engine.model_name, stop))
+        freeze_startup_heap("frontend")
         servers[0].run()
     finally:
         stop()

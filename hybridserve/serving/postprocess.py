@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from hybridserve.engine.output_processor import ChoiceOutputs
 from hybridserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineUnavailable
-from hybridserve.process import ChildEnd, ChildProcesses
+from hybridserve.process import ChildEnd, ChildProcesses, freeze_startup_heap
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
@@ -153,6 +153,7 @@ def run_postprocess_worker(hf_dir: Path, in_addr: str, out_addr: str) -> None:
         return
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(WorkerInput).decode
+    freeze_startup_heap("post-processing worker")
     child.ready()
     inbox, outbox = child.inbox, child.outbox
     jobs: dict[str, _Job] = {}

@@ -86,7 +86,12 @@ def server(tmp_path_factory, request):
     log = tmp_path_factory.mktemp("server") / "server.log"
     with running_server(log, "--num-workers", str(request.param)) as (url, _):
         yield url
-    assert "hybridserve ready: serving smollm2 at http://127.0.0.1:" in log.read_text()
+    text = log.read_text()
+    assert "hybridserve ready: serving smollm2 at http://127.0.0.1:" in text
+    # each process that serves keeps its start-up heap out of the collector's walks (no 100-200 ms pauses)
+    assert len(re.findall(r"frontend: \d+ objects from start-up kept out of garbage collection", text)) == 1
+    frozen = re.findall(r"engine worker: \d+ objects from start-up kept out of garbage collection", text)
+    assert len(frozen) == request.param
 
 
 @pytest.fixture(scope="module")
