@@ -66,8 +66,8 @@ def freeze_startup_heap(who: str) -> int:
     """Keep what start-up allocated out of the garbage collector's walks; returns how many objects that is.
 
     A full collection visits every object the collector tracks: in an engine worker or a frontend, with torch's
-    modules, the model and the app loaded, about 400 k. Serving at concurrency 64 that stopped a frontend's event
-    loop for 210 ms, and an engine's step loop for 130-180 ms, now and then. Start-up's own garbage is collected
+    modules, the model and the app loaded, about 400 k. At concurrency 64 one stopped a frontend's event loop for
+    210 ms, and one an engine's step loop for 180 ms. Start-up's own garbage is collected
     first; the rest goes to the permanent generation (`gc.freeze`), which collections skip. Objects made later are
     collected as before. Called by each serving process once it is loaded, never by the offline `LLM`, whose heap
     is its caller's."""
