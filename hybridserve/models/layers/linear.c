@@ -121,6 +121,12 @@ static void tile_rows(int mr, int np, const float* x, int64_t x_stride, const fl
 /* The columns of W that panel p holds: NR, or fewer in the last panel. */
 static inline int64_t panel_cols(int64_t n, int64_t p) { return n - p * NR < NR ? n - p * NR : NR; }
 
+/* The rows of tile t when `rows` go in `tiles` tiles a row apart in size at most, the larger first (every row
+ * kernel here splits its rows so: a tile much smaller than the others keeps too few multiply-adds in flight). */
+static inline int tile_share(int64_t rows, int64_t tiles, int64_t t) {
+    return (int)(rows / tiles + (t < rows % tiles));
+}
+
 /* Weights kept in GGUF's blocks, 32 weights along k a block: Q4_1, d q + m with d and m float16 and q 4-bit
  * (0..15); Q8_0, d q with d float16 and q int8. d q is exact in float32 (11 bits times 4 or 8), so d q + m rounds
  * once, whether fused or not: the float32 weight a GGUF loader computes is fmaf(d, q, m) (d q) bitwise. A block
@@ -380,7 +386,7 @@ static inline __attribute__((always_inline)) void linear_panels(const float* x, 
                      * 6 6 5 5 5 5 take the time of 32, as 6 6 6 6 6 2 took that of 34 */
                     const int64_t rows = whole - m0, tiles = (rows + MR - 1) / MR;
                     for (int64_t t = 0, r = m0; t < tiles; t++) {
-                        const int mr = (int)((rows + t) / tiles);
+                        const int mr = tile_share(rows, tiles, t);
                         const float* b = bias == 0 ? 0 : bias + col;
                         if (fused)
                             TILE_BLOCKS(mr, 1, x + r * x_stride, blocks + p * panel_bytes, b, y + r * n + col,
@@ -645,7 +651,7 @@ int64_t linear_argmax_f32(const float* x, int64_t x_stride, int64_t m, int64_t k
         argmax_f32_row* row = w.rows + r;
         row->t = argmax_f32_quantize(x + r * x_stride, k, k2, qmax, w.xq + r * 2 * k2, &row->err, &row->norm);
     }
-    const int64_t tiles = (m + FQMR - 1) / FQMR, base = m / tiles, extra = m % tiles;
+    const int64_t tiles = (m + FQMR - 1) / FQMR;
     int64_t undecided = 0;
 #pragma omp parallel reduction(+ : undecided)
     {
@@ -656,7 +662,7 @@ int64_t linear_argmax_f32(const float* x, int64_t x_stride, int64_t m, int64_t k
              * one row it measured faster too (0.80-0.85 -> 0.70 ms for the default model's head). */
             const int8_t* next = p + 1 < panels ? q + (p + 1) * k2 * FQP * 2 : 0;
             for (int64_t t = 0, r = 0; t < tiles; t++) {
-                const int mr = (int)(base + (t < extra));
+                const int mr = tile_share(m, tiles, t);
                 argmax_f32_tile_rows(mr, r, m, q + p * k2 * FQP * 2, t == 0 ? next : 0, k, k2, meta, meta_rows,
                                      p * FQP, n, &w, thread);
                 r += mr;
@@ -950,7 +956,7 @@ void linear_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, cons
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t m0 = m / chunks * c + (c < m % chunks ? c : m % chunks);
             const int64_t m1 = m0 + m / chunks + (c < m % chunks);
-            const int64_t tiles = (m1 - m0 + MRB - 1) / MRB, base = (m1 - m0) / tiles, extra = (m1 - m0) % tiles;
+            const int64_t tiles = (m1 - m0 + MRB - 1) / MRB;
             /* static and nowait: a thread keeps the same panels for every chunk, and chunks share no output */
 #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < panels; p++) {
@@ -959,7 +965,7 @@ void linear_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, cons
                  * which would otherwise come from memory while the next panel's first tile waits for it. */
                 const uint16_t* next = p + 1 < panels ? packed + (p + 1) * panel_size : 0;
                 for (int64_t t = 0, r = m0; t < tiles; t++) {
-                    const int mr = (int)(base + (t < extra));
+                    const int mr = tile_share(m1 - m0, tiles, t);
                     tile_rows_bf16(mr, x + r * x_stride, x_stride, packed + p * panel_size, t == 0 ? next : 0, k,
                                    bias == 0 ? 0 : bias + col, y, r * n + col, n, ncols, mode);
                     r += mr;
@@ -1249,7 +1255,7 @@ int64_t linear_argmax(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
     const argmax_work w = argmax_layout(work, m, n, threads);
     for (int64_t i = 0; i < threads * m * 16; i++) w.lower[i] = -INFINITY;
     for (int64_t r = 0; r < m; r++) argmax_quantize(x + r * x_stride, k, k4, w.xq + r * k4, w.rows + r);
-    const int64_t tiles = (m + QMR - 1) / QMR, base = m / tiles, extra = m % tiles;
+    const int64_t tiles = (m + QMR - 1) / QMR;
     int64_t undecided = 0;
 #pragma omp parallel reduction(+ : undecided)
     {
@@ -1259,7 +1265,7 @@ int64_t linear_argmax(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
             const int64_t col = p * 2 * QW;
             const int halves = n - col > QW ? 2 : 1;
             for (int64_t t = 0, r = 0; t < tiles; t++) {
-                const int mr = (int)(base + (t < extra));
+                const int mr = tile_share(m, tiles, t);
                 const int8_t* next = t == 0 && p + 1 < pairs ? q + (p + 1) * 2 * k4 * QW : 0;
                 argmax_tile_rows(mr, r, m, q + p * 2 * k4 * QW, next, halves, k, k4, meta, meta_rows, col, n, &w,
                                  thread);
