@@ -67,10 +67,9 @@ def freeze_startup_heap(who: str) -> int:
 
     A full collection visits every object the collector tracks: in an engine worker or a frontend, with torch's
     modules, the model and the app loaded, about 400 k. At concurrency 64 one stopped a frontend's event loop for
-    210 ms, and one an engine's step loop for 180 ms. Start-up's own garbage is collected
-    first; the rest goes to the permanent generation (`gc.freeze`), which collections skip. Objects made later are
-    collected as before. Called by each serving process once it is loaded, never by the offline `LLM`, whose heap
-    is its caller's."""
+    210 ms, and one an engine's step loop for 180 ms. Start-up's own garbage is collected first; the rest goes to
+    the permanent generation (`gc.freeze`), which collections skip. Objects made later are collected as before.
+    Called by each serving process once it is loaded, never by the offline `LLM`, whose heap is its caller's."""
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
