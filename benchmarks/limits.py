@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> tuple[Machine, list[StepRow]]:
     weight_bytes, matmul_params = costs.read_params * runner.dtype.itemsize, costs.matmul_params
     # matmuls summing their weights from GGUF blocks read those, not float32 copies
     packed = [m for m in runner.model.modules() if isinstance(m, NativeLinear) and m.blocks is not None]
-    weight_bytes -= sum(m.in_features * m.out_features * runner.dtype.itemsize - m.panels.numel() for m in packed)
+    weight_bytes -= sum(m.weight_numel * runner.dtype.itemsize - m.panels.numel() for m in packed)
     rows = []
     gen = torch.Generator().manual_seed(0)
     step_times(llm, 1, 4, gen)  # warm-up

@@ -239,7 +239,7 @@ class ModelRunner:
                 len(native),
                 ", ".join(kinds),
                 sum(m.panels.numel() for m in packed) / 1024**2,
-                sum(m.in_features * m.out_features * 4 for m in packed) / 1024**2,
+                sum(m.weight_numel * 4 for m in packed) / 1024**2,
             )
         elif blocks:
             logger.warning("the model's GGUF blocks went unused: no matmul could be packed from them")

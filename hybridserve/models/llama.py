@@ -13,7 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from hybridserve.models.cache_specs import AttentionSpec
-from hybridserve.models.layers.activation import silu_mul
+from hybridserve.models.layers.activation import silu_gated
 from hybridserve.models.layers.attention import AttentionMetadata, paged_attention, rope_and_cache
 from hybridserve.models.layers.linear import NativeLinear
 from hybridserve.models.layers.native import DecoderStack, FusedOps, KernelUnavailable, PagedAttention, StackLayer
@@ -57,6 +57,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    gated_projections = ("gate_up_proj",)  # activated in the matmul's tiles where native float32 (pack_linears)
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         mlp_bias = getattr(config, "mlp_bias", False)
@@ -65,7 +67,7 @@ class LlamaMLP(nn.Module):
         self.native: FusedOps | None = None  # set by use_native_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x), self.native))
+        return self.down_proj(silu_gated(self.gate_up_proj, x, self.native))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -149,6 +151,7 @@ class LlamaForCausalLM(nn.Module):
                             layer.mlp.down_proj,
                         )
                     ),
+                    gated=getattr(layer.mlp.gate_up_proj, "gated", False),
                 )
                 for layer in layers
             ],

@@ -10,10 +10,18 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.models.layers.linear import NativeLinear, PackedLinear, pack_linears
-from hybridserve.models.layers.native import LinearKernels, load_linear_kernels
+from hybridserve.models.layers.moe import GatedMLP
+from hybridserve.models.layers.native import (
+    FusedOps,
+    LinearKernels,
+    load_fused_ops,
+    load_linear_kernels,
+    use_native_ops,
+)
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +234,70 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     layer.weight.data.copy_(weight)
     return layer
+
+
+@pytest.fixture(scope="module")
+def fused_ops() -> FusedOps:
+    return load_fused_ops()
+
+
+def _gated_layer(inter: int, k: int, bias: bool, seed: int) -> nn.Linear:
+    gen = torch.Generator().manual_seed(seed)
+    layer = nn.Linear(k, 2 * inter, bias=bias)
+    layer.weight.data.copy_(torch.randn(2 * inter, k, generator=gen))
+    if bias:
+        layer.bias.data.copy_(torch.randn(2 * inter, generator=gen))
+    return layer
+
+
+# rows: one tile, a tile and the two rows paired over a gate panel and its up panel (8), expanded block panels
+# (from 8 rows), several tiles, float32 panels in chunks of 96 rows (100); intermediates: whole panels, and a last
+# panel of 1 or 9 columns (the gate and up panels padded)
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 13, 32, 100])
+@pytest.mark.parametrize(("inter", "k", "bias"), [(64, 96, False), (33, 64, True), (41, 32, False)])
+@pytest.mark.parametrize("kind", [None, "Q4_1", "Q8_0"])
+def test_a_gated_matmul_is_silu_mul_of_the_plain_one_bitwise(
+    kernels: LinearKernels, fused_ops: FusedOps, m: int, inter: int, k: int, bias: bool, kind: str | None
+) -> None:
+    """What the MLP computes with the activation in the matmul's tiles is bit for bit what the plain matmul and
+    silu_mul give, from float32 panels and from either kind of block panels."""
+    if kind is None:
+        layer, blocks = _gated_layer(inter, k, bias, seed=m), None
+    else:
+        packed_blocks, w = _blocks(kind, 2 * inter, k, seed=m)
+        layer, blocks = _linear(w), (kind, packed_blocks)
+    plain = NativeLinear(layer, kernels, blocks=blocks)
+    gated = NativeLinear(layer, kernels, blocks=blocks, gated=True)
+    assert (gated.out_features, gated.blocks, gated.weight_numel) == (inter, kind, plain.weight_numel)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(inter))
+    want = fused_ops.silu_mul(plain(x))
+    assert torch.equal(gated(x), want)
+    assert torch.equal(gated(x[:1]), want[:1])  # batch invariant too
+
+
+def test_pack_linears_gates_the_projections_a_module_names(kernels: LinearKernels, fused_ops: FusedOps) -> None:
+    mlp = GatedMLP(32, 40)
+    for p in mlp.parameters():
+        p.data.normal_()
+    x = torch.randn(6, 32)
+    reference = mlp.down_proj(F.silu(mlp.gate_up_proj(x)[:, :40]) * mlp.gate_up_proj(x)[:, 40:])
+    pack_linears(mlp, kernels)
+    use_native_ops(mlp, fused_ops)
+    assert mlp.gate_up_proj.gated and not mlp.down_proj.gated
+    torch.testing.assert_close(mlp(x), reference, rtol=1e-5, atol=1e-5)
+    unpacked = nn.Sequential(_linear(torch.randn(80, 32)))  # no gated_projections: a plain matmul
+    pack_linears(unpacked, kernels)
+    assert not unpacked[0].gated and unpacked(x).shape == (6, 80)
+
+
+def test_a_gated_matmul_names_what_it_cannot_take(kernels: LinearKernels) -> None:
+    gated = NativeLinear(_gated_layer(40, 32, True, seed=0), kernels, gated=True)
+    with pytest.raises(ValueError, match=r"bias must be contiguous float32 \[96\], got torch.float32 \(80,\)"):
+        kernels.linear(torch.randn(2, 32), gated.panels, 40, torch.zeros(80), gated=True)
+    with pytest.raises(ValueError, match=r"a gated matmul takes float32 panels of pack_gated's .* \(6 panels for 40"):
+        kernels.linear(torch.randn(2, 32), gated.panels[:4], 40, None, gated=True)
+    with pytest.raises(ValueError, match=r"a gated weight has \[gate; up\] rows, an even count; got \(5, 3\)"):
+        kernels.pack_gated(torch.zeros(5, 3))
+    if torch.bfloat16 in kernels.dtypes:
+        with pytest.raises(ValueError, match="a gated native matmul is float32, got a torch.bfloat16 weight"):
+            NativeLinear(_gated_layer(40, 32, False, seed=0).to(torch.bfloat16), kernels, gated=True)

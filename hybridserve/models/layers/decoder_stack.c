@@ -12,7 +12,8 @@
 #include <stdint.h>
 
 /* Per layer: its norm weights, the packed panels of its four matmuls (one of linear.c's layouts) with their
- * float32 biases or NULL, its paged cache, and the linear.c function each matmul's panels take. */
+ * float32 biases or NULL, its paged cache, and the linear.c function each matmul's panels take. A stack without
+ * silu_mul has gated gate_up matmuls (linear_f32_silu's), which write the activation themselves. */
 #define DEFINE_DECODER_STACK(NAME, T, LINEAR_T, LINEAR_CALL)                                                        \
     typedef struct {                                                                                                \
         const T *input_norm, *post_norm;                                                                            \
@@ -59,8 +60,12 @@
                       s->kv_heads, s->scale);                                                                       \
             LINEAR_CALL(L->o_linear, attn, q_width, b, q_width, L->o, hidden, L->o_bias, proj);                     \
             s->add_rms_norm(x, proj, L->post_norm, h, b, hidden, s->eps);                                           \
-            LINEAR_CALL(L->gate_up_linear, h, hidden, b, hidden, L->gate_up, 2 * inter, L->gate_up_bias, gate_up);  \
-            s->silu_mul(gate_up, act, b, inter);                                                                    \
+            if (s->silu_mul != NULL) {                                                                              \
+                LINEAR_CALL(L->gate_up_linear, h, hidden, b, hidden, L->gate_up, 2 * inter, L->gate_up_bias, gate_up); \
+                s->silu_mul(gate_up, act, b, inter);                                                                \
+            } else { /* gated matmuls: silu(gate) * up in their tiles */                                            \
+                LINEAR_CALL(L->gate_up_linear, h, hidden, b, hidden, L->gate_up, inter, L->gate_up_bias, act);      \
+            }                                                                                                       \
             LINEAR_CALL(L->down_linear, act, inter, b, inter, L->down, hidden, L->down_bias, proj);                 \
         }                                                                                                           \
         s->add_rms_norm(x, proj, s->final_norm, out, b, hidden, s->eps);                                            \

@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_math.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -52,9 +54,56 @@ void linear_pack_f32(const float* w, int64_t n, int64_t k, float* packed) {
     }
 }
 
-/* A tile's sums (plus bias) into y: rows r < mr over np panels, the last one's first ncols columns valid. */
+/* silu(g) u, lane by lane, as fused_ops.c's silu_mul_f32 computes it, bit for bit: g / (1 + exp_approx(-g)) u, the
+ * vector exp_approx where there is one (its steps the scalar one's). */
+static inline vf silu_times(vf g, vf u) {
+#if VW == 16
+    const vf e = (vf)exp_approx16((__m512)-g);
+#elif defined(__AVX2__)
+    const vf e = (vf)exp_approx8((__m256)-g);
+#else
+    vf e;
+    for (int c = 0; c < VW; c++) e[c] = exp_approx(-g[c]);
+#endif
+    return g / (1.0f + e) * u;
+}
+
+/* A gated tile's row: its first ncols of silu(g) u at dst, g and u two vectors each (u plus bias). */
+static inline __attribute__((always_inline)) void silu_store(vf g_lo, vf g_hi, vf u_lo, vf u_hi, const float* bias,
+                                                             float* dst, int64_t ncols) {
+    if (bias != 0) u_lo += *(const vf*)bias, u_hi += *(const vf*)(bias + VW);
+    const vf lo = silu_times(g_lo, u_lo), hi = silu_times(g_hi, u_hi);
+    if (ncols == NR) {
+        *(vf*)dst = lo;
+        *(vf*)(dst + VW) = hi;
+        return;
+    }
+    float out[NR];
+    memcpy(out, &lo, sizeof(vf));
+    memcpy(out + VW, &hi, sizeof(vf));
+    memcpy(dst, out, (size_t)ncols * sizeof(float));
+}
+
+/* A tile's sums (plus bias) into y: rows r < mr over np panels, the last one's first ncols columns valid. With
+ * gate (a matmul gated by SiLU, linear_f32_silu): over an up panel (np 1) y gets silu(g) u, g the row's NR sums of
+ * the gate panel at gate (rows NR apart); over a gate panel and its up panel (np 2) the same from the first
+ * panel's sums (gate not read). */
 static inline __attribute__((always_inline)) void tile_store(int mr, int np, vf acc[MR][4], const float* bias, float* y,
-                                                             int64_t y_stride, int64_t ncols) {
+                                                             int64_t y_stride, int64_t ncols, const float* gate) {
+    if (gate != 0) {
+        for (int r = 0; r < mr; r++) {
+            vf g_lo, g_hi;
+            if (np == 2) {
+                g_lo = acc[r][0], g_hi = acc[r][1];
+                if (bias != 0) g_lo += *(const vf*)bias, g_hi += *(const vf*)(bias + VW);
+            } else {
+                g_lo = *(const vf*)(gate + r * NR), g_hi = *(const vf*)(gate + r * NR + VW);
+            }
+            silu_store(g_lo, g_hi, acc[r][2 * np - 2], acc[r][2 * np - 1], bias == 0 ? 0 : bias + (np - 1) * NR,
+                       y + r * y_stride, ncols);
+        }
+        return;
+    }
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < np; j++) {
             float* dst = y + r * y_stride + j * NR;
@@ -80,7 +129,7 @@ static inline __attribute__((always_inline)) void tile_store(int mr, int np, vf 
 static inline __attribute__((always_inline)) void tile(int mr, int np, const float* x, int64_t x_stride,
                                                        const float* panel, const float* next, int64_t k,
                                                        const float* bias, float* y, int64_t y_stride,
-                                                       int64_t ncols) {
+                                                       int64_t ncols, const float* gate) {
     vf acc[MR][4];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < 2 * np; v++) acc[r][v] = (vf){0};
@@ -95,13 +144,13 @@ static inline __attribute__((always_inline)) void tile(int mr, int np, const flo
             for (int v = 0; v < 2 * np; v++) acc[r][v] += a * b[v];
         }
     }
-    tile_store(mr, np, acc, bias, y, y_stride, ncols);
+    tile_store(mr, np, acc, bias, y, y_stride, ncols, gate);
 }
 
 /* The tile for the mr rows left over np panels, each a copy with its loops unrolled for those counts. */
 static void tile_rows(int mr, int np, const float* x, int64_t x_stride, const float* panel, const float* next,
-                      int64_t k, const float* bias, float* y, int64_t y_stride, int64_t ncols) {
-#define ROWS(n, p) tile(n, p, x, x_stride, panel, next, k, bias, y, y_stride, ncols)
+                      int64_t k, const float* bias, float* y, int64_t y_stride, int64_t ncols, const float* gate) {
+#define ROWS(n, p) tile(n, p, x, x_stride, panel, next, k, bias, y, y_stride, ncols, gate)
     if (np == 2) {
         if (mr == 2) ROWS(2, 2);
         else ROWS(1, 2);
@@ -231,7 +280,7 @@ static float half_to_float(uint16_t h) {
 static inline __attribute__((always_inline)) void tile_blocks(int kind, int mr, int np, const float* x,
                                                               int64_t x_stride, const uint8_t* panel, int64_t k,
                                                               const float* bias, float* y, int64_t y_stride,
-                                                              int64_t ncols) {
+                                                              int64_t ncols, const float* gate) {
     const int64_t gb = group_bytes(kind), panel_bytes = k / QK * gb;
     vf acc[MR][4];
     for (int r = 0; r < mr; r++)
@@ -253,25 +302,25 @@ static inline __attribute__((always_inline)) void tile_blocks(int kind, int mr, 
             }
         }
     }
-    tile_store(mr, np, acc, bias, y, y_stride, ncols);
+    tile_store(mr, np, acc, bias, y, y_stride, ncols, gate);
 }
 
 /* tile_rows for block panels of one kind, each row count's copy with its loops unrolled. */
 #define DEFINE_TILE_ROWS_BLOCKS(NAME, KIND)                                                                     \
     static void NAME(int mr, int np, const float* x, int64_t x_stride, const uint8_t* panel, int64_t k,        \
-                     const float* bias, float* y, int64_t y_stride, int64_t ncols) {                          \
+                     const float* bias, float* y, int64_t y_stride, int64_t ncols, const float* gate) {       \
         if (np == 2) {                                                                                          \
-            if (mr == 2) tile_blocks(KIND, 2, 2, x, x_stride, panel, k, bias, y, y_stride, ncols);             \
-            else tile_blocks(KIND, 1, 2, x, x_stride, panel, k, bias, y, y_stride, ncols);                     \
+            if (mr == 2) tile_blocks(KIND, 2, 2, x, x_stride, panel, k, bias, y, y_stride, ncols, gate);             \
+            else tile_blocks(KIND, 1, 2, x, x_stride, panel, k, bias, y, y_stride, ncols, gate);                     \
             return;                                                                                             \
         }                                                                                                       \
         switch (mr) {                                                                                           \
-            case 6: tile_blocks(KIND, 6, 1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;           \
-            case 5: tile_blocks(KIND, 5, 1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;           \
-            case 4: tile_blocks(KIND, 4, 1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;           \
-            case 3: tile_blocks(KIND, 3, 1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;           \
-            case 2: tile_blocks(KIND, 2, 1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;           \
-            default: tile_blocks(KIND, 1, 1, x, x_stride, panel, k, bias, y, y_stride, ncols); break;          \
+            case 6: tile_blocks(KIND, 6, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;           \
+            case 5: tile_blocks(KIND, 5, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;           \
+            case 4: tile_blocks(KIND, 4, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;           \
+            case 3: tile_blocks(KIND, 3, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;           \
+            case 2: tile_blocks(KIND, 2, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;           \
+            default: tile_blocks(KIND, 1, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;          \
         }                                                                                                       \
     }
 DEFINE_TILE_ROWS_BLOCKS(tile_rows_q4_1, BLOCK_Q4_1)
@@ -349,15 +398,24 @@ static inline __attribute__((always_inline)) void expand_blocks(int kind, const 
  * left over (8 rows: 6 + 2) go over both panels at once: alone on a panel their 2 or 4 chains of multiply-adds,
  * each waiting on the last, left the FMA units half idle (a batch-8 decode step ~7% faster; with more whole
  * tiles per panel, at 32 rows, pairing measured no better). From Q4_EXPAND_MIN_ROWS rows, block panels are
- * expanded pair by pair into a thread's own two float32 panels, once per call. */
+ * expanded pair by pair into a thread's own two float32 panels, once per call.
+ *
+ * gated (linear_f32_silu and its block kinds): W's panels go in pairs, a gate panel and then the up panel of the
+ * same NR columns of a SiLU-gated MLP's intermediate (n of them; linear_pack_gated's order), and y [m, n] gets
+ * silu(gate) up, as fused_ops.c's silu_mul_f32 would from the plain matmul's output, bit for bit. A pair is one
+ * thread's: the gate panel's tiles leave their sums in the thread's gate rows, the up panel's read them as they
+ * store. No [m, 2n] output is written, read back by the other thread and written again. */
 static inline __attribute__((always_inline)) void linear_panels(const float* x, int64_t x_stride, int64_t m,
                                                                 int64_t k, const float* packed, const uint8_t* blocks,
-                                                                int kind, int64_t n, const float* bias, float* y) {
-    const int64_t panels = (n + NR - 1) / NR, pairs = (panels + 1) / 2, panel_bytes = k / QK * group_bytes(kind);
+                                                                int kind, int64_t n, const float* bias, float* y,
+                                                                int gated) {
+    const int64_t panels = gated ? 2 * ((n + NR - 1) / NR) : (n + NR - 1) / NR, pairs = (panels + 1) / 2;
+    const int64_t panel_bytes = k / QK * group_bytes(kind);
 #pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
     {
         float* expanded = blocks != 0 && m >= Q4_EXPAND_MIN_ROWS ? aligned_alloc(64, 2 * k * NR * sizeof(float)) : 0;
         const int fused = blocks != 0 && expanded == 0; /* dequantized in the tiles (or no memory to expand) */
+        float* gate_rows = gated ? aligned_alloc(64, (size_t)(m * NR) * sizeof(float)) : 0; /* [m][NR] */
         /* Expanded panels take every row in one chunk: expanding a pair again per chunk of MC rows cost a prefill
          * more (~2%) than reading x from L3 instead of L2 does. */
         const int64_t chunk = expanded != 0 ? m : MC;
@@ -370,10 +428,15 @@ static inline __attribute__((always_inline)) void linear_panels(const float* x, 
                 const int64_t whole = np == 2 && rest != 0 && rest <= PAIR_ROWS && m1 - m0 < 2 * MR ? m1 - rest : m1;
                 if (expanded != 0) expand_blocks(kind, blocks, k / QK, p0, np, expanded);
                 const float* base = expanded != 0 ? expanded : packed + p0 * k * NR;
-#define TILE_BLOCKS(mr, np, x, panel, bias, y, ncols)                                                                 \
-    (kind == BLOCK_Q4_1 ? tile_rows_q4_1 : tile_rows_q8_0)(mr, np, x, x_stride, panel, k, bias, y, n, ncols)
+#define TILE_BLOCKS(mr, np, x, panel, bias, y, y_stride, ncols, gate)                                               \
+    (kind == BLOCK_Q4_1 ? tile_rows_q4_1 : tile_rows_q8_0)(mr, np, x, x_stride, panel, k, bias, y, y_stride, ncols, gate)
+                /* where the pair's tiles store: y's columns from out_col, or for a gate panel the gate rows */
+                const int64_t out_col = gated ? pair * NR : p0 * NR, out_cols = gated ? panel_cols(n, pair) : 0;
                 for (int64_t p = p0; p < p0 + np; p++) {
                     const int64_t col = p * NR;
+                    const int to_gate = gated && p == p0, from_gate = gated && p != p0;
+                    float* dst = to_gate ? gate_rows : y + (gated ? out_col : col);
+                    const int64_t dst_stride = to_gate ? NR : n, ncols = to_gate ? NR : gated ? out_cols : panel_cols(n, p);
                     /* The first row tile brings in the next panel (this thread's next one under the static split):
                      * a tile's arithmetic and the next panel's read from memory overlap instead of taking turns.
                      * Below PREFETCH_MIN_ROWS a panel has too little arithmetic to hide a read behind, and the
@@ -388,45 +451,67 @@ static inline __attribute__((always_inline)) void linear_panels(const float* x, 
                     for (int64_t t = 0, r = m0; t < tiles; t++) {
                         const int mr = tile_share(rows, tiles, t);
                         const float* b = bias == 0 ? 0 : bias + col;
+                        const float* gate = from_gate ? gate_rows + r * NR : 0;
                         if (fused)
-                            TILE_BLOCKS(mr, 1, x + r * x_stride, blocks + p * panel_bytes, b, y + r * n + col,
-                                        panel_cols(n, p));
+                            TILE_BLOCKS(mr, 1, x + r * x_stride, blocks + p * panel_bytes, b, dst + r * dst_stride,
+                                        dst_stride, ncols, gate);
                         else
                             tile_rows(mr, 1, x + r * x_stride, x_stride, base + (p - p0) * k * NR, r == m0 ? next : 0,
-                                      k, b, y + r * n + col, n, panel_cols(n, p));
+                                      k, b, dst + r * dst_stride, dst_stride, ncols, gate);
                         r += mr;
                     }
                 }
-                if (whole < m1) {
+                if (whole < m1) { /* gated: the pair is a gate panel and its up panel, in registers together */
                     const float* b = bias == 0 ? 0 : bias + p0 * NR;
+                    const int64_t ncols = gated ? out_cols : panel_cols(n, p0 + 1);
+                    const float* gate = gated ? gate_rows : 0;
                     if (fused)
                         TILE_BLOCKS((int)rest, 2, x + whole * x_stride, blocks + p0 * panel_bytes, b,
-                                    y + whole * n + p0 * NR, panel_cols(n, p0 + 1));
+                                    y + whole * n + out_col, n, ncols, gate);
                     else
-                        tile_rows((int)rest, 2, x + whole * x_stride, x_stride, base, 0, k, b, y + whole * n + p0 * NR,
-                                  n, panel_cols(n, p0 + 1));
+                        tile_rows((int)rest, 2, x + whole * x_stride, x_stride, base, 0, k, b, y + whole * n + out_col,
+                                  n, ncols, gate);
                 }
 #undef TILE_BLOCKS
             }
         }
         free(expanded);
+        free(gate_rows);
     }
 }
 
 void linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const float* packed, int64_t n,
                 const float* bias, float* y) {
-    linear_panels(x, x_stride, m, k, packed, 0, BLOCK_Q4_1 /* unused without blocks */, n, bias, y);
+    linear_panels(x, x_stride, m, k, packed, 0, BLOCK_Q4_1 /* unused without blocks */, n, bias, y, 0);
 }
 
 /* linear_f32 over W's block panels (linear_pack_blocks), bitwise linear_f32's over W dequantized. */
 void linear_q4_1_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* blocks, int64_t n,
                      const float* bias, float* y) {
-    linear_panels(x, x_stride, m, k, 0, blocks, BLOCK_Q4_1, n, bias, y);
+    linear_panels(x, x_stride, m, k, 0, blocks, BLOCK_Q4_1, n, bias, y, 0);
 }
 
 void linear_q8_0_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* blocks, int64_t n,
                      const float* bias, float* y) {
-    linear_panels(x, x_stride, m, k, 0, blocks, BLOCK_Q8_0, n, bias, y);
+    linear_panels(x, x_stride, m, k, 0, blocks, BLOCK_Q8_0, n, bias, y, 0);
+}
+
+/* A SiLU-gated MLP's first matmul and activation in one: y [m, n] = silu(x G^T + bg) * (x U^T + bu), W's panels
+ * (and bias) a gate panel then the up panel of the same columns in turn (see linear_panels), from float32 panels
+ * or block panels of either kind. */
+void linear_f32_silu(const float* x, int64_t x_stride, int64_t m, int64_t k, const float* packed, int64_t n,
+                     const float* bias, float* y) {
+    linear_panels(x, x_stride, m, k, packed, 0, BLOCK_Q4_1 /* unused without blocks */, n, bias, y, 1);
+}
+
+void linear_q4_1_f32_silu(const float* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* blocks, int64_t n,
+                          const float* bias, float* y) {
+    linear_panels(x, x_stride, m, k, 0, blocks, BLOCK_Q4_1, n, bias, y, 1);
+}
+
+void linear_q8_0_f32_silu(const float* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* blocks, int64_t n,
+                          const float* bias, float* y) {
+    linear_panels(x, x_stride, m, k, 0, blocks, BLOCK_Q8_0, n, bias, y, 1);
 }
 
 /* The greedy head in float32: each row's argmax of x W^T, the first largest of the logits linear_f32 gives (as
@@ -633,7 +718,7 @@ static void argmax_f32_exact_best(const float* x, int64_t k, const float* w, con
         for (int64_t i = 0; i < k; i++) panel[i * NR + j] = row[i];
     }
     float exact[NR];
-    tile(1, 1, x, k, panel, 0, k, 0, exact, NR, NR);
+    tile(1, 1, x, k, panel, 0, k, 0, exact, NR, NR, 0);
     for (int j = 0; j < nc; j++)
         if (exact[j] > *best || (exact[j] == *best && cand[j] < *best_col)) *best = exact[j], *best_col = cand[j];
 }
@@ -724,8 +809,6 @@ int64_t linear_argmax_f32_available(int64_t k) {
  * at 25, are near ties that rounding would make exact). */
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-
-#include "cpu_math.h"
 
 #define NRB 32  /* output columns per bf16 panel: two vectors of 16 float32 accumulators */
 #define MRB 12  /* rows per bf16 register tile: 24 accumulators, two weight vectors and a broadcast */

@@ -52,14 +52,27 @@ class NativeLinear(nn.Module):
         float_out: bool = False,
         argmax: bool = False,
         blocks: tuple[str, torch.Tensor] | None = None,
+        gated: bool = False,
     ) -> None:
         """argmax: keep what argmax() needs, where the kernels can take it (a head without bias, in bf16 on a CPU
         with AVX512-VNNI): the weight row-major too, and its int8 copy. blocks: the float32 weight's GGUF blocks
-        (kind, tensor), to pack from if they give it bitwise (else the float32 weight is packed, with a warning)."""
+        (kind, tensor), to pack from if they give it bitwise (else the float32 weight is packed, with a warning).
+        gated: a SiLU-gated MLP's [gate; up] projection in float32, whose forward() returns silu(gate) * up
+        ([..., out_features / 2]), summed and activated in the same tiles."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.gated = gated
+        if gated and linear.weight.dtype != torch.float32:
+            raise ValueError(f"a gated native matmul is float32, got a {linear.weight.dtype} weight")
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features // 2 if gated else linear.out_features
+        self.weight_numel = linear.weight.numel()  # the checkpoint's weight, whatever the output
         self.kernels, self.float_out = kernels, float_out
         weight = linear.weight.detach()
+        bias = None if linear.bias is None else linear.bias.detach()
+        if gated:  # rows in the order of the gated panels: a panel's gate columns, then its up columns
+            weight = kernels.pack_gated(weight)
+            bias = None if bias is None else kernels.pack_gated(bias)
+            blocks = None if blocks is None else (blocks[0], kernels.pack_gated(blocks[1]))
         panels = None if blocks is None else kernels.pack_blocks(weight, blocks[1], blocks[0])
         if blocks is not None and panels is None:
             logger.warning(
@@ -69,7 +82,7 @@ class NativeLinear(nn.Module):
             )
         self.blocks = None if panels is None or blocks is None else blocks[0]  # the panels' GGUF block kind
         self.panels = kernels.pack(weight) if panels is None else panels
-        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
         # argmax(): the weight row-major (a tied head's is the embedding's: no copy) and its int8 copy
         self.argmax_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if argmax and self.bias is None and kernels.can_argmax(weight):
@@ -78,7 +91,9 @@ class NativeLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = self.kernels.linear(rows, self.panels, self.out_features, self.bias, self.float_out, self.blocks)
+        y = self.kernels.linear(
+            rows, self.panels, self.out_features, self.bias, self.float_out, self.blocks, gated=self.gated
+        )
         return y.view(*x.shape[:-1], self.out_features)
 
     def argmax(self, x: torch.Tensor, n: int) -> torch.Tensor | None:
@@ -112,14 +127,17 @@ def pack_linears(
     logits, its sums unrounded: in bf16, logits a step apart (0.125 at 25) are near ties that rounding makes
     exact, and the argmax would then pick the lower token id, not the larger logit. It keeps an int8 copy for
     argmax() too. blocks: GGUF blocks (kind, tensor) by parameter name (`<module>.weight`), which native float32
-    layers are packed from."""
+    layers are packed from. A module's projections named in its `gated_projections` (a SiLU-gated MLP's [gate;
+    up]) become gated NativeLinears in float32: their forward() is the activated output (activation.silu_gated)."""
     blocks = blocks or {}
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
             if kernels is not None and child.weight.dtype in kernels.dtypes:
                 head = name == "lm_head"
-                own = blocks.get(f"{prefix}{name}.weight") if child.weight.dtype == torch.float32 else None
-                setattr(model, name, NativeLinear(child, kernels, float_out=head, argmax=head, blocks=own))
+                float32 = child.weight.dtype == torch.float32
+                own = blocks.get(f"{prefix}{name}.weight") if float32 else None
+                gated = float32 and name in getattr(model, "gated_projections", ())
+                setattr(model, name, NativeLinear(child, kernels, head, argmax=head, blocks=own, gated=gated))
             elif child.weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 setattr(model, name, PackedLinear(child))
         else:

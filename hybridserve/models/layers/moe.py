@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.models.layers.activation import silu_mul
+from hybridserve.models.layers.activation import silu_gated, silu_mul
 from hybridserve.models.layers.native import FusedOps
 
 
@@ -33,6 +33,8 @@ class MoEConfig:
 class GatedMLP(nn.Module):
     """SiLU-gated MLP; gate and up projections are one matmul (`gate_up_proj`, packed by the loader)."""
 
+    gated_projections = ("gate_up_proj",)  # activated in the matmul's tiles where native float32 (pack_linears)
+
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
@@ -40,7 +42,7 @@ class GatedMLP(nn.Module):
         self.native: FusedOps | None = None  # set by use_native_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x), self.native))
+        return self.down_proj(silu_gated(self.gate_up_proj, x, self.native))
 
 
 class Router(nn.Module):

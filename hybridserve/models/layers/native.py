@@ -268,6 +268,11 @@ class LinearKernels:
             kind: _function(lib, f"linear_{panels}_f32", [_P, _I, _I, _I, _P, _I, _P, _P])
             for kind, (_, _, panels) in BLOCKS.items()
         }
+        # float32 matmuls gated by SiLU (a gate panel, then the up panel of the same columns), by block kind or None
+        gated_names = {None: "linear_f32_silu"} | {kind: f"linear_{p}_f32_silu" for kind, (_, _, p) in BLOCKS.items()}
+        self._linear_silu = {
+            kind: _function(lib, name, [_P, _I, _I, _I, _P, _I, _P, _P]) for kind, name in gated_names.items()
+        }
         self._pack_blocks = _function(lib, "linear_pack_blocks", [_I, _P, _P, _I, _I, _P], _I)
         group_bytes = _function(lib, "linear_blocks_group_bytes", [_I], _I)
         self._group_bytes = {kind: int(group_bytes(code)) for kind, (code, _, _) in BLOCKS.items()}
@@ -341,6 +346,21 @@ class LinearKernels:
         mismatches = self._pack_blocks(code, blocks.data_ptr(), weight.data_ptr(), n, k, packed.data_ptr())
         return packed if mismatches == 0 else None
 
+    def pack_gated(self, weight: torch.Tensor) -> torch.Tensor:
+        """The rows of a SiLU-gated MLP's [gate; up] weight [2 I, ...] (or its bias [2 I], or its GGUF blocks [2 I,
+        bytes]) in the order linear(..., gated=True) takes them after packing: per panel of float32 columns, that
+        panel's gate rows, then its up rows, each padded with zero rows to the panel's width."""
+        width, inter = self.panel_width[torch.float32], weight.shape[0] // 2
+        if weight.shape[0] != 2 * inter:
+            raise ValueError(f"a gated weight has [gate; up] rows, an even count; got {tuple(weight.shape)}")
+        padded, rest = -(-inter // width) * width, weight.shape[1:]
+        out = weight.new_zeros((padded // width, 2, width, *rest))
+        for half, rows in enumerate((weight[:inter], weight[inter:])):
+            filled = weight.new_zeros((padded, *rest))
+            filled[:inter] = rows
+            out[:, half] = filled.view(padded // width, width, *rest)
+        return out.view(2 * padded, *rest)
+
     def linear(
         self,
         x: torch.Tensor,
@@ -349,10 +369,13 @@ class LinearKernels:
         bias: torch.Tensor | None,
         float_out: bool = False,
         blocks: str | None = None,
+        gated: bool = False,
     ) -> torch.Tensor:
         """x: [M, K] of packed's dtype (float32 for block panels), each row contiguous; packed: pack()'s panels of W
         [n, K], or with `blocks` pack_blocks()'s of that kind; bias: [n] float32 or None. Returns [M, n] in x's
-        dtype, or with float_out in float32, the sums unrounded."""
+        dtype, or with float_out in float32, the sums unrounded. gated (float32): W is a SiLU-gated MLP's [gate; up]
+        weight [2 n, K] in pack_gated's order (its bias too, [2 n] padded), and the result silu(gate) * up [M, n],
+        bitwise FusedOps.silu_mul of the plain matmul's output."""
         m, k = x.shape
         dtype = torch.float32 if blocks is not None else packed.dtype
         # bf16 panels hold k in pairs, block ones in groups of 32 (no K but a multiple of 32 matches them)
@@ -365,19 +388,28 @@ class LinearKernels:
                 f"input must be {dtype} [M, K] with K the weight's ({packed.dtype} panels "
                 f"{tuple(packed.shape)}) and contiguous rows, got {x.dtype} {tuple(x.shape)} with strides {x.stride()}"
             )
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
-            raise ValueError(f"bias must be contiguous float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+        width = self.panel_width[dtype]
+        columns = 2 * -(-n // width) * width if gated else n  # a gated weight's padded gate and up columns
+        if gated and (dtype != torch.float32 or packed.shape[0] * width != columns):
+            raise ValueError(
+                f"a gated matmul takes float32 panels of pack_gated's [gate; up] rows ({columns // width} panels for "
+                f"{n} outputs), got {packed.dtype} panels {tuple(packed.shape)}"
+            )
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (columns,) or not bias.is_contiguous()):
+            raise ValueError(f"bias must be contiguous float32 [{columns}], got {bias.dtype} {tuple(bias.shape)}")
         y = torch.empty((m, n), dtype=torch.float32 if float_out else x.dtype)
         if m:
             args = [x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n, 0 if bias is None else bias.data_ptr()]
             if x.dtype == torch.bfloat16:
                 self._linear[x.dtype](*args, y.data_ptr(), int(float_out))
             else:
-                self.function(packed, blocks)(*args, y.data_ptr())
+                self.function(packed, blocks, gated)(*args, y.data_ptr())
         return y
 
-    def function(self, packed: torch.Tensor, blocks: str | None = None) -> Callable[..., None]:
+    def function(self, packed: torch.Tensor, blocks: str | None = None, gated: bool = False) -> Callable[..., None]:
         """The C function linear() calls for these panels (decoder_stack.c calls it directly)."""
+        if gated:
+            return self._linear_silu[blocks]
         return self._linear[packed.dtype] if blocks is None else self._linear_blocks[blocks]
 
     def can_argmax(self, weight: torch.Tensor) -> bool:
@@ -529,7 +561,8 @@ class _Stack(ctypes.Structure):
 @dataclass(frozen=True)
 class StackLayer:
     """A Llama decoder layer's weights as decoder_stack.c takes them: the norms' weights, each matmul's packed
-    panels (LinearKernels.pack, or pack_blocks), float32 bias or None, and GGUF block kind or None."""
+    panels (LinearKernels.pack, or pack_blocks), float32 bias or None, and GGUF block kind or None; gated: whether
+    gate_up's panels are in pack_gated's order, activated in the matmul (LinearKernels.linear's `gated`)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -537,6 +570,7 @@ class StackLayer:
     o: tuple[torch.Tensor, torch.Tensor | None, str | None]
     gate_up: tuple[torch.Tensor, torch.Tensor | None, str | None]
     down: tuple[torch.Tensor, torch.Tensor | None, str | None]
+    gated: bool = False
 
 
 class DecoderStack:
@@ -570,18 +604,28 @@ class DecoderStack:
             kv_heads,
             intermediate,
         )
+        gated = {layer.gated for layer in layers}
+        if len(gated) > 1:
+            raise ValueError("either every layer's gate_up matmul is gated or none is")
         self._layers = (_StackLayer * len(layers))()
         self._weights = layers, final_norm  # the records point into these
         for record, layer in zip(self._layers, layers, strict=True):
             record.input_norm, record.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             for field_name in ("qkv", "o", "gate_up", "down"):
                 panels, bias, blocks = getattr(layer, field_name)
+                function = linear.function(panels, blocks, gated=layer.gated and field_name == "gate_up")
                 setattr(record, field_name, panels.data_ptr())
                 setattr(record, f"{field_name}_bias", None if bias is None else bias.data_ptr())
-                setattr(record, f"{field_name}_linear", ctypes.cast(linear.function(panels, blocks), _P).value)
-        kernels = (ops._add_rms_norm[dtype], ops._silu_mul[dtype], attention._rope_write_kv, attention._decode)
+                setattr(record, f"{field_name}_linear", ctypes.cast(function, _P).value)
+        # without silu_mul the stack takes the activation from the gated matmuls
+        silu_mul = None if True in gated else ctypes.cast(ops._silu_mul[dtype], _P).value
+        kernels = (ops._add_rms_norm[dtype], attention._rope_write_kv, attention._decode)
+        add_rms_norm, rope_write_kv, decode = (ctypes.cast(fn, _P).value for fn in kernels)
         self._stack = _Stack(
-            *(ctypes.cast(fn, _P).value for fn in kernels),
+            add_rms_norm,
+            silu_mul,
+            rope_write_kv,
+            decode,
             len(layers),
             self.hidden,
             q_heads,
