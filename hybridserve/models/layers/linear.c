@@ -307,20 +307,20 @@ static inline __attribute__((always_inline)) void tile_blocks(int kind, int mr, 
 
 /* tile_rows for block panels of one kind, each row count's copy with its loops unrolled. */
 #define DEFINE_TILE_ROWS_BLOCKS(NAME, KIND)                                                                     \
-    static void NAME(int mr, int np, const float* x, int64_t x_stride, const uint8_t* panel, int64_t k,        \
-                     const float* bias, float* y, int64_t y_stride, int64_t ncols, const float* gate) {       \
+    static void NAME(int mr, int np, const float* x, int64_t x_stride, const uint8_t* panel, int64_t k,         \
+                     const float* bias, float* y, int64_t y_stride, int64_t ncols, const float* gate) {         \
         if (np == 2) {                                                                                          \
-            if (mr == 2) tile_blocks(KIND, 2, 2, x, x_stride, panel, k, bias, y, y_stride, ncols, gate);             \
-            else tile_blocks(KIND, 1, 2, x, x_stride, panel, k, bias, y, y_stride, ncols, gate);                     \
+            if (mr == 2) tile_blocks(KIND, 2, 2, x, x_stride, panel, k, bias, y, y_stride, ncols, gate);        \
+            else tile_blocks(KIND, 1, 2, x, x_stride, panel, k, bias, y, y_stride, ncols, gate);                \
             return;                                                                                             \
         }                                                                                                       \
         switch (mr) {                                                                                           \
-            case 6: tile_blocks(KIND, 6, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;           \
-            case 5: tile_blocks(KIND, 5, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;           \
-            case 4: tile_blocks(KIND, 4, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;           \
-            case 3: tile_blocks(KIND, 3, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;           \
-            case 2: tile_blocks(KIND, 2, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;           \
-            default: tile_blocks(KIND, 1, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;          \
+            case 6: tile_blocks(KIND, 6, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;      \
+            case 5: tile_blocks(KIND, 5, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;      \
+            case 4: tile_blocks(KIND, 4, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;      \
+            case 3: tile_blocks(KIND, 3, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;      \
+            case 2: tile_blocks(KIND, 2, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;      \
+            default: tile_blocks(KIND, 1, 1, x, x_stride, panel, k, bias, y, y_stride, ncols, gate); break;     \
         }                                                                                                       \
     }
 DEFINE_TILE_ROWS_BLOCKS(tile_rows_q4_1, BLOCK_Q4_1)
@@ -401,10 +401,10 @@ static inline __attribute__((always_inline)) void expand_blocks(int kind, const 
  * expanded pair by pair into a thread's own two float32 panels, once per call.
  *
  * gated (linear_f32_silu and its block kinds): W's panels go in pairs, a gate panel and then the up panel of the
- * same NR columns of a SiLU-gated MLP's intermediate (n of them; linear_pack_gated's order), and y [m, n] gets
- * silu(gate) up, as fused_ops.c's silu_mul_f32 would from the plain matmul's output, bit for bit. A pair is one
- * thread's: the gate panel's tiles leave their sums in the thread's gate rows, the up panel's read them as they
- * store. No [m, 2n] output is written, read back by the other thread and written again. */
+ * same NR columns of a SiLU-gated MLP's intermediate (n of them; LinearKernels.pack_gated's order), and y [m, n]
+ * gets silu(gate) up, as fused_ops.c's silu_mul_f32 would from the plain matmul's output, bit for bit. A pair is
+ * one thread's: each row tile of the gate panel leaves its sums on the stack for the same rows' tile of the up
+ * panel, which stores silu(g) u. No [m, 2n] output is written, read back by the other thread and written again. */
 static inline __attribute__((always_inline)) void linear_panels(const float* x, int64_t x_stride, int64_t m,
                                                                 int64_t k, const float* packed, const uint8_t* blocks,
                                                                 int kind, int64_t n, const float* bias, float* y,
@@ -415,7 +415,6 @@ static inline __attribute__((always_inline)) void linear_panels(const float* x, 
     {
         float* expanded = blocks != 0 && m >= Q4_EXPAND_MIN_ROWS ? aligned_alloc(64, 2 * k * NR * sizeof(float)) : 0;
         const int fused = blocks != 0 && expanded == 0; /* dequantized in the tiles (or no memory to expand) */
-        float* gate_rows = gated ? aligned_alloc(64, (size_t)(m * NR) * sizeof(float)) : 0; /* [m][NR] */
         /* Expanded panels take every row in one chunk: expanding a pair again per chunk of MC rows cost a prefill
          * more (~2%) than reading x from L3 instead of L2 does. */
         const int64_t chunk = expanded != 0 ? m : MC;
@@ -428,55 +427,50 @@ static inline __attribute__((always_inline)) void linear_panels(const float* x, 
                 const int64_t whole = np == 2 && rest != 0 && rest <= PAIR_ROWS && m1 - m0 < 2 * MR ? m1 - rest : m1;
                 if (expanded != 0) expand_blocks(kind, blocks, k / QK, p0, np, expanded);
                 const float* base = expanded != 0 ? expanded : packed + p0 * k * NR;
-#define TILE_BLOCKS(mr, np, x, panel, bias, y, y_stride, ncols, gate)                                               \
-    (kind == BLOCK_Q4_1 ? tile_rows_q4_1 : tile_rows_q8_0)(mr, np, x, x_stride, panel, k, bias, y, y_stride, ncols, gate)
-                /* where the pair's tiles store: y's columns from out_col, or for a gate panel the gate rows */
-                const int64_t out_col = gated ? pair * NR : p0 * NR, out_cols = gated ? panel_cols(n, pair) : 0;
-                for (int64_t p = p0; p < p0 + np; p++) {
-                    const int64_t col = p * NR;
-                    const int to_gate = gated && p == p0, from_gate = gated && p != p0;
-                    float* dst = to_gate ? gate_rows : y + (gated ? out_col : col);
-                    const int64_t dst_stride = to_gate ? NR : n, ncols = to_gate ? NR : gated ? out_cols : panel_cols(n, p);
-                    /* The first row tile brings in the next panel (this thread's next one under the static split):
-                     * a tile's arithmetic and the next panel's read from memory overlap instead of taking turns.
-                     * Below PREFETCH_MIN_ROWS a panel has too little arithmetic to hide a read behind, and the
-                     * hardware's own prefetch streams the panels as well (one row: ~3% slower with it). Expanded
-                     * panels are in the cache already. */
-                    const float* next =
-                        blocks == 0 && p + 1 < panels && m1 - m0 >= PREFETCH_MIN_ROWS ? packed + (p + 1) * k * NR : 0;
-                    /* The rows go in as few tiles as MR allows, their sizes a row apart at most: a tile of fewer
-                     * than 4 rows has too few chains of multiply-adds to keep both FMA units busy, so 32 rows as
-                     * 6 6 5 5 5 5 take the time of 32, as 6 6 6 6 6 2 took that of 34 */
-                    const int64_t rows = whole - m0, tiles = (rows + MR - 1) / MR;
+                /* The first row tile of a panel brings in the next one (this thread's next under the static split):
+                 * a tile's arithmetic and the next panel's read from memory overlap instead of taking turns. Below
+                 * PREFETCH_MIN_ROWS a panel has too little arithmetic to hide a read behind, and the hardware's own
+                 * prefetch streams the panels as well (one row: ~3% slower with it). Expanded panels are in the
+                 * cache already. */
+#define NEXT(p, r) \
+    (blocks == 0 && (r) == m0 && (p) + 1 < panels && m1 - m0 >= PREFETCH_MIN_ROWS ? packed + ((p) + 1) * k * NR : 0)
+                /* One tile of mr rows from row r over panel p (or, np 2, over p and p + 1), its sums to dst. */
+#define PANEL_TILE(mr, np, r, p, dst, dst_stride, ncols, gate)                                                         \
+    (fused ? (kind == BLOCK_Q4_1 ? tile_rows_q4_1 : tile_rows_q8_0)(                                                   \
+                 mr, np, x + (r) * x_stride, x_stride, blocks + (p) * panel_bytes, k, bias == 0 ? 0 : bias + (p) * NR, \
+                 dst, dst_stride, ncols, gate)                                                                         \
+           : tile_rows(mr, np, x + (r) * x_stride, x_stride, base + ((p) - p0) * k * NR, NEXT(p, r), k,                \
+                       bias == 0 ? 0 : bias + (p) * NR, dst, dst_stride, ncols, gate))
+                /* The rows go in as few tiles as MR allows, their sizes a row apart at most: a tile of fewer than 4
+                 * rows has too few chains of multiply-adds to keep both FMA units busy, so 32 rows as 6 6 5 5 5 5
+                 * take the time of 32, as 6 6 6 6 6 2 took that of 34. */
+                const int64_t rows = whole - m0, tiles = (rows + MR - 1) / MR;
+                if (gated) { /* tile by tile: the gate panel's sums, then the up panel's tile storing silu(g) u */
                     for (int64_t t = 0, r = m0; t < tiles; t++) {
                         const int mr = tile_share(rows, tiles, t);
-                        const float* b = bias == 0 ? 0 : bias + col;
-                        const float* gate = from_gate ? gate_rows + r * NR : 0;
-                        if (fused)
-                            TILE_BLOCKS(mr, 1, x + r * x_stride, blocks + p * panel_bytes, b, dst + r * dst_stride,
-                                        dst_stride, ncols, gate);
-                        else
-                            tile_rows(mr, 1, x + r * x_stride, x_stride, base + (p - p0) * k * NR, r == m0 ? next : 0,
-                                      k, b, dst + r * dst_stride, dst_stride, ncols, gate);
+                        float gate_sums[MR * NR] __attribute__((aligned(64)));
+                        PANEL_TILE(mr, 1, r, p0, gate_sums, NR, NR, 0);
+                        PANEL_TILE(mr, 1, r, p0 + 1, y + r * n + pair * NR, n, panel_cols(n, pair), gate_sums);
                         r += mr;
                     }
+                } else {
+                    for (int64_t p = p0; p < p0 + np; p++)
+                        for (int64_t t = 0, r = m0; t < tiles; t++) {
+                            const int mr = tile_share(rows, tiles, t);
+                            PANEL_TILE(mr, 1, r, p, y + r * n + p * NR, n, panel_cols(n, p), 0);
+                            r += mr;
+                        }
                 }
-                if (whole < m1) { /* gated: the pair is a gate panel and its up panel, in registers together */
-                    const float* b = bias == 0 ? 0 : bias + p0 * NR;
-                    const int64_t ncols = gated ? out_cols : panel_cols(n, p0 + 1);
-                    const float* gate = gated ? gate_rows : 0;
-                    if (fused)
-                        TILE_BLOCKS((int)rest, 2, x + whole * x_stride, blocks + p0 * panel_bytes, b,
-                                    y + whole * n + out_col, n, ncols, gate);
-                    else
-                        tile_rows((int)rest, 2, x + whole * x_stride, x_stride, base, 0, k, b, y + whole * n + out_col,
-                                  n, ncols, gate);
+                if (whole < m1) { /* gated: the rows' gate and up sums in registers together, silu(g) u stored */
+                    float* dst = y + whole * n + (gated ? pair * NR : p0 * NR);
+                    const int64_t ncols = gated ? panel_cols(n, pair) : panel_cols(n, p0 + 1);
+                    PANEL_TILE((int)rest, 2, whole, p0, dst, n, ncols, gated ? dst : 0); /* gate: any non-NULL */
                 }
-#undef TILE_BLOCKS
+#undef PANEL_TILE
+#undef NEXT
             }
         }
         free(expanded);
-        free(gate_rows);
     }
 }
 
