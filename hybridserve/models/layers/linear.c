@@ -474,39 +474,23 @@ static inline __attribute__((always_inline)) void linear_panels(const float* x, 
     }
 }
 
-void linear_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const float* packed, int64_t n,
-                const float* bias, float* y) {
-    linear_panels(x, x_stride, m, k, packed, 0, BLOCK_Q4_1 /* unused without blocks */, n, bias, y, 0);
-}
-
-/* linear_f32 over W's block panels (linear_pack_blocks), bitwise linear_f32's over W dequantized. */
-void linear_q4_1_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* blocks, int64_t n,
-                     const float* bias, float* y) {
-    linear_panels(x, x_stride, m, k, 0, blocks, BLOCK_Q4_1, n, bias, y, 0);
-}
-
-void linear_q8_0_f32(const float* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* blocks, int64_t n,
-                     const float* bias, float* y) {
-    linear_panels(x, x_stride, m, k, 0, blocks, BLOCK_Q8_0, n, bias, y, 0);
-}
-
-/* A SiLU-gated MLP's first matmul and activation in one: y [m, n] = silu(x G^T + bg) * (x U^T + bu), W's panels
- * (and bias) a gate panel then the up panel of the same columns in turn (see linear_panels), from float32 panels
- * or block panels of either kind. */
-void linear_f32_silu(const float* x, int64_t x_stride, int64_t m, int64_t k, const float* packed, int64_t n,
-                     const float* bias, float* y) {
-    linear_panels(x, x_stride, m, k, packed, 0, BLOCK_Q4_1 /* unused without blocks */, n, bias, y, 1);
-}
-
-void linear_q4_1_f32_silu(const float* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* blocks, int64_t n,
-                          const float* bias, float* y) {
-    linear_panels(x, x_stride, m, k, 0, blocks, BLOCK_Q4_1, n, bias, y, 1);
-}
-
-void linear_q8_0_f32_silu(const float* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* blocks, int64_t n,
-                          const float* bias, float* y) {
-    linear_panels(x, x_stride, m, k, 0, blocks, BLOCK_Q8_0, n, bias, y, 1);
-}
+/* The exported matmuls, linear_panels over one weight layout each: W's float32 panels (linear_pack_f32) or block
+ * panels of a kind (linear_pack_blocks; bitwise linear_f32's over W dequantized), and with _silu a SiLU-gated MLP's
+ * first matmul and activation in one: y [m, n] = silu(x G^T + bg) * (x U^T + bu), W's panels (and bias) a gate panel
+ * then the up panel of the same columns in turn (see linear_panels). */
+#define DEFINE_LINEAR(NAME, W_T, PACKED, BLOCKS, KIND, GATED)                                                       \
+    void NAME(const float* x, int64_t x_stride, int64_t m, int64_t k, const W_T* w, int64_t n, const float* bias, \
+              float* y) {                                                                                           \
+        linear_panels(x, x_stride, m, k, PACKED, BLOCKS, KIND, n, bias, y, GATED);                                  \
+    }
+/* the kind is unused without blocks */
+DEFINE_LINEAR(linear_f32, float, w, 0, BLOCK_Q4_1, 0)
+DEFINE_LINEAR(linear_q4_1_f32, uint8_t, 0, w, BLOCK_Q4_1, 0)
+DEFINE_LINEAR(linear_q8_0_f32, uint8_t, 0, w, BLOCK_Q8_0, 0)
+DEFINE_LINEAR(linear_f32_silu, float, w, 0, BLOCK_Q4_1, 1)
+DEFINE_LINEAR(linear_q4_1_f32_silu, uint8_t, 0, w, BLOCK_Q4_1, 1)
+DEFINE_LINEAR(linear_q8_0_f32_silu, uint8_t, 0, w, BLOCK_Q8_0, 1)
+#undef DEFINE_LINEAR
 
 /* The greedy head in float32: each row's argmax of x W^T, the first largest of the logits linear_f32 gives (as
  * torch.argmax picks it), with only the few logits that could be the largest computed. The idea of the bf16
