@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from hybridserve.paths import cache_dir
 
@@ -353,13 +354,9 @@ class LinearKernels:
         width, inter = self.panel_width[torch.float32], weight.shape[0] // 2
         if weight.shape[0] != 2 * inter:
             raise ValueError(f"a gated weight has [gate; up] rows, an even count; got {tuple(weight.shape)}")
-        padded, rest = -(-inter // width) * width, weight.shape[1:]
-        out = weight.new_zeros((padded // width, 2, width, *rest))
-        for half, rows in enumerate((weight[:inter], weight[inter:])):
-            filled = weight.new_zeros((padded, *rest))
-            filled[:inter] = rows
-            out[:, half] = filled.view(padded // width, width, *rest)
-        return out.view(2 * padded, *rest)
+        panels, rest = -(-inter // width), weight.shape[1:]
+        gate, up = (F.pad(half, (0, 0) * len(rest) + (0, panels * width - inter)) for half in weight.split(inter))
+        return torch.stack((gate.view(panels, width, *rest), up.view(panels, width, *rest)), 1).flatten(0, 2)
 
     def linear(
         self,
