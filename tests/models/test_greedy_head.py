@@ -139,3 +139,23 @@ def test_greedy_generation_is_token_for_token_the_full_heads(
         head.argmax_tables = tables
     assert fast == full
     assert with_logprobs == full[:2]
+
+
+@pytest.mark.parametrize("threads", [1, 3, 7])
+def test_any_team_of_threads_gives_the_same_tokens(kernels: LinearKernels, dtype: torch.dtype, threads: int) -> None:
+    """The bound pass's panels go as the matmuls' pairs do (a thread's own share, then what the others left):
+    with one thread or more threads than cores, every row's token is the full head's."""
+    m, k, n = 25, 130, 2048
+    w = _weight(n, k, seed=5, dtype=dtype)
+    panels, (q, meta) = kernels.pack(w), kernels.pack_argmax(w)
+    gen = torch.Generator().manual_seed(6)
+    xs = [(torch.randn(m, k, generator=gen) * 3).to(dtype) for _ in range(2)]
+    want = [_full(kernels, x, w, panels, n).tolist() for x in xs]
+    default = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(10):
+            for x, tokens in zip(xs, want, strict=True):
+                assert kernels.argmax(x, w, q, meta, n).tolist() == tokens
+    finally:
+        torch.set_num_threads(default)

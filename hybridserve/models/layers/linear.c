@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #include "cpu_math.h"
 #if defined(__x86_64__)
@@ -169,6 +170,49 @@ static void tile_rows(int mr, int np, const float* x, int64_t x_stride, const fl
 
 /* The columns of W that panel p holds: NR, or fewer in the last panel. */
 static inline int64_t panel_cols(int64_t n, int64_t p) { return n - p * NR < NR ? n - p * NR : NR; }
+
+/* One thread's share of a parallel loop's items (a matmul's panel pairs, the greedy head's int8 panels): [front,
+ * back) in one word, a cache line to itself. The owner takes its items from the front, in the order a static
+ * split gives it; a thread done with its own share takes the others' from the back. So a thread the scheduler
+ * preempts (for the frontend, the clients, anything else on these cores) holds up the call by the item it is in,
+ * not by the rest of its share, while the other thread waits at the region's end. Without preemption every
+ * thread does its own share, and which thread computes an item never changes the item's result. */
+typedef struct {
+    uint64_t word;
+    char pad[64 - sizeof(uint64_t)];
+} __attribute__((aligned(64))) share;
+#define STACK_SHARES 16 /* shares on the stack; more (row chunks times threads) come from the heap */
+
+static inline uint64_t share_word(int64_t front, int64_t back) { return (uint64_t)front << 32 | (uint64_t)back; }
+
+/* items split over `team` shares as a static schedule splits them, contiguous and in order */
+static inline void share_out(share* shares, int team, int64_t items) {
+    for (int t = 0; t < team; t++) shares[t].word = share_word(t * items / team, (t + 1) * items / team);
+}
+
+/* The next item of a share (its owner's: the front; another thread's: the back), or -1 when none is left. */
+static inline int64_t take(share* s, int owner) {
+    uint64_t word = __atomic_load_n(&s->word, __ATOMIC_RELAXED), next;
+    int64_t front, back;
+    do {
+        front = (int64_t)(word >> 32), back = (int64_t)(word & 0xffffffffu);
+        if (front >= back) return -1;
+        next = owner ? share_word(front + 1, back) : share_word(front, back - 1);
+    } while (!__atomic_compare_exchange_n(&s->word, &word, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    return owner ? front : back - 1;
+}
+
+/* Every item of the `team` shares for thread `self`: its own first, then the others', each in turn. */
+#define FOR_EACH_TAKEN(item, shares, team, self)                \
+    for (int taken_v = 0; taken_v < (team); taken_v++)          \
+        for (int64_t item; (item = take(&(shares)[((self) + taken_v) % (team)], taken_v == 0)) >= 0;)
+
+/* shares for `count` splits, on the stack when they fit (`on_stack`, STACK_SHARES of them), else from the heap */
+static inline share* shares_for(int64_t count, share* on_stack) {
+    share* shares = count <= STACK_SHARES ? on_stack : aligned_alloc(sizeof(share), count * sizeof(share));
+    if (shares == 0) abort();
+    return shares;
+}
 
 /* The rows of tile t when `rows` go in `tiles` tiles a row apart in size at most, the larger first (every row
  * kernel here splits its rows so: a tile much smaller than the others keeps too few multiply-adds in flight). */
@@ -394,7 +438,8 @@ static inline __attribute__((always_inline)) void expand_blocks(int kind, const 
  * (linear_pack_f32's panels) or blocks of `kind` (linear_pack_blocks'). linear_f32, linear_q4_1_f32 and
  * linear_q8_0_f32 below.
  *
- * Threads take the panels two at a time. Rows go MR to a tile, panel by panel. Below 2 MR rows, one or two rows
+ * Threads take the panels two at a time, each its static share of the pairs and then what another thread's share
+ * has left (take). Rows go MR to a tile, panel by panel. Below 2 MR rows, one or two rows
  * left over (8 rows: 6 + 2) go over both panels at once: alone on a panel their 2 or 4 chains of multiply-adds,
  * each waiting on the last, left the FMA units half idle (a batch-8 decode step ~7% faster; with more whole
  * tiles per panel, at 32 rows, pairing measured no better). From Q4_EXPAND_MIN_ROWS rows, block panels are
@@ -411,23 +456,27 @@ static inline __attribute__((always_inline)) void linear_panels(const float* x, 
                                                                 int gated) {
     const int64_t panels = gated ? 2 * ((n + NR - 1) / NR) : (n + NR - 1) / NR, pairs = (panels + 1) / 2;
     const int64_t panel_bytes = k / QK * group_bytes(kind);
+    const int expand = blocks != 0 && m >= Q4_EXPAND_MIN_ROWS;
+    /* Expanded panels take every row in one chunk: expanding a pair again per chunk of MC rows cost a prefill
+     * more (~2%) than reading x from L3 instead of L2 does. */
+    const int64_t chunk = expand ? m : MC, chunks = (m + chunk - 1) / chunk;
+    const int team = omp_get_max_threads();
+    share on_stack[STACK_SHARES], *shares = shares_for(chunks * team, on_stack);
+    for (int64_t c = 0; c < chunks; c++) share_out(shares + c * team, team, pairs);
 #pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
     {
-        float* expanded = blocks != 0 && m >= Q4_EXPAND_MIN_ROWS ? aligned_alloc(64, 2 * k * NR * sizeof(float)) : 0;
+        const int self = omp_get_thread_num();
+        float* expanded = expand ? aligned_alloc(64, 2 * k * NR * sizeof(float)) : 0;
         const int fused = blocks != 0 && expanded == 0; /* dequantized in the tiles (or no memory to expand) */
-        /* Expanded panels take every row in one chunk: expanding a pair again per chunk of MC rows cost a prefill
-         * more (~2%) than reading x from L3 instead of L2 does. */
-        const int64_t chunk = expanded != 0 ? m : MC;
-        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+        /* chunk by chunk without waiting: chunks share no output */
+        for (int64_t m0 = 0, c = 0; m0 < m; m0 += chunk, c++) {
             const int64_t m1 = m0 + chunk < m ? m0 + chunk : m, rest = (m1 - m0) % MR;
-            /* static and nowait: a thread keeps the same panels for every chunk, and chunks share no output */
-#pragma omp for schedule(static) nowait
-            for (int64_t pair = 0; pair < pairs; pair++) {
+            FOR_EACH_TAKEN(pair, shares + c * team, team, self) {
                 const int64_t p0 = 2 * pair, np = p0 + 1 < panels ? 2 : 1;
                 const int64_t whole = np == 2 && rest != 0 && rest <= PAIR_ROWS && m1 - m0 < 2 * MR ? m1 - rest : m1;
                 if (expanded != 0) expand_blocks(kind, blocks, k / QK, p0, np, expanded);
                 const float* base = expanded != 0 ? expanded : packed + p0 * k * NR;
-                /* The first row tile of a panel brings in the next one (this thread's next under the static split):
+                /* The first row tile of a panel brings in the next one (this thread's next in its own share):
                  * a tile's arithmetic and the next panel's read from memory overlap instead of taking turns. Below
                  * PREFETCH_MIN_ROWS a panel has too little arithmetic to hide a read behind, and the hardware's own
                  * prefetch streams the panels as well (one row: ~3% slower with it). Expanded panels are in the
@@ -472,6 +521,7 @@ static inline __attribute__((always_inline)) void linear_panels(const float* x, 
         }
         free(expanded);
     }
+    if (shares != on_stack) free(shares);
 }
 
 /* The exported matmuls, linear_panels over one weight layout each: W's float32 panels (linear_pack_f32) or block
@@ -716,11 +766,14 @@ int64_t linear_argmax_f32(const float* x, int64_t x_stride, int64_t m, int64_t k
     }
     const int64_t tiles = (m + FQMR - 1) / FQMR;
     int64_t undecided = 0;
+    share on_stack[STACK_SHARES], *shares = shares_for(threads, on_stack);
+    share_out(shares, (int)threads, panels);
 #pragma omp parallel reduction(+ : undecided)
     {
         const int thread = omp_get_thread_num();
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
+        /* the panels as linear_panels takes its pairs: a thread's own share, then what the others' left; each
+         * thread's lower bounds go to its own lanes, whichever panels they came from */
+        FOR_EACH_TAKEN(p, shares, (int)threads, thread) {
             /* The first tile brings in the next int8 panel, as linear_f32's do; at every row count here, as at
              * one row it measured faster too (0.80-0.85 -> 0.70 ms for the default model's head). */
             const int8_t* next = p + 1 < panels ? q + (p + 1) * k2 * FQP * 2 : 0;
@@ -731,7 +784,7 @@ int64_t linear_argmax_f32(const float* x, int64_t x_stride, int64_t m, int64_t k
                 r += mr;
             }
         }
-        /* the implicit barrier: every bound is in */
+#pragma omp barrier /* every bound is in */
         float* panel = w.panels + thread * k * NR;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < m; r++) {
@@ -770,6 +823,7 @@ int64_t linear_argmax_f32(const float* x, int64_t x_stride, int64_t m, int64_t k
             if (best_col < 0) undecided++;
         }
     }
+    if (shares != on_stack) free(shares);
     return undecided;
 }
 #else
