@@ -304,11 +304,11 @@ def test_a_gated_matmul_names_what_it_cannot_take(kernels: LinearKernels) -> Non
 
 
 @pytest.mark.parametrize("threads", [1, 3, 7])
-def test_any_team_of_threads_computes_every_pair_once_to_the_same_bits(kernels: LinearKernels, threads: int) -> None:
-    """Each thread takes its own share of the panel pairs and then what the others' shares have left, so a
-    preempted thread holds up a matmul by one pair. However the pairs fall (one thread; more threads than cores,
-    preempted all the time), every output is the default team's bits: no pair skipped or left stale, none summed
-    differently. Two inputs take turns, so a pair left out would keep the other input's sums."""
+def test_any_team_of_threads_computes_every_panel_once_to_the_same_bits(kernels: LinearKernels, threads: int) -> None:
+    """Each thread takes its own share of the panels (in float32, pairs of them) and then what the others' shares
+    have left, so a preempted thread holds up a matmul by one item. However the items fall (one thread; more
+    threads than cores, preempted all the time), every output is the default team's bits: no item skipped or left
+    stale, none summed differently. Two inputs take turns, so an item left out would keep the other input's sums."""
     q4_1, w4 = _blocks("Q4_1", 960, 576, seed=1)
     q8_0, w8 = _blocks("Q8_0", 2 * 160, 576, seed=2)
     cases = [  # float32 panels in 3 chunks of rows (more shares than the stack holds), block panels dequantized
@@ -318,8 +318,14 @@ def test_any_team_of_threads_computes_every_pair_once_to_the_same_bits(kernels: 
         (NativeLinear(_linear(w4), kernels, blocks=("Q4_1", q4_1)), 64),
         (NativeLinear(_linear(w8), kernels, blocks=("Q8_0", q8_0), gated=True), 33),
     ]
+    if torch.bfloat16 in kernels.dtypes:  # bf16 panels in 3 chunks of rows, on AMX's tiles too where it is
+        cases += [(NativeLinear(_linear(torch.randn(600, k)).to(torch.bfloat16), kernels), 200) for k in (64, 40)]
+    dtypes = [torch.bfloat16 if layer.panels.dtype == torch.bfloat16 else torch.float32 for layer, _ in cases]
     gen = torch.Generator().manual_seed(3)
-    inputs = [[torch.randn(rows, layer.in_features, generator=gen) for _ in range(2)] for layer, rows in cases]
+    inputs = [
+        [torch.randn(rows, layer.in_features, generator=gen).to(dtype) for _ in range(2)]
+        for (layer, rows), dtype in zip(cases, dtypes, strict=True)
+    ]
     want = [[layer(x) for x in xs] for (layer, _), xs in zip(cases, inputs, strict=True)]
     default = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -991,16 +991,18 @@ static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int6
         if (padded == 0) abort();
         for (int64_t r = full * 16; r < m; r++) memcpy(padded + (r - full * 16) * k, x + r * x_stride, k * 2);
     }
+    /* One task a (panel, pair of row blocks), panel-major: the threads split the panels, so each weight comes from
+     * memory once, and a panel's later pairs find it in L1/L2 (a panel is 32 k-pairs of 64 bytes: 36 KiB at k 576).
+     * Pair-major, each thread swept every weight once per pair it took. The tasks go as linear_panels' pairs do. */
+    const int64_t pairs = (blocks + 1) / 2;
+    const int team = omp_get_max_threads();
+    share on_stack[STACK_SHARES], *shares = shares_for(team, on_stack);
+    share_out(shares, team, pairs * panels);
 #pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
     {
         float c[4][16 * 16] __attribute__((aligned(64)));
         amx_configure();
-        /* One task a (panel, pair of row blocks), panel-major: the threads split the panels, so each weight
-         * comes from memory once, and a panel's later pairs find it in L1/L2 (a panel is 32 k-pairs of 64
-         * bytes: 36 KiB at k 576). Pair-major, each thread swept every weight once per pair it took. */
-        const int64_t pairs = (blocks + 1) / 2;
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < pairs * panels; task++) {
+        FOR_EACH_TAKEN(task, shares, team, omp_get_thread_num()) {
             const int64_t p = task / pairs, blk = task % pairs * 2;
             const uint16_t* w = packed + p * panel_size;
             const int64_t col = p * NRB, ncols = n - col < NRB ? n - col : NRB;
@@ -1046,6 +1048,7 @@ static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int6
         if (mode == STREAM) _mm_sfence();
         _tile_release();
     }
+    if (shares != on_stack) free(shares);
     free(padded);
 }
 #endif
@@ -1066,17 +1069,20 @@ void linear_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, cons
     /* Row chunks of at most MC, as even as they go, and each chunk's row tiles too: 64 rows are six tiles of
      * 10-11, not five of 12 and one of 4 (which reads the panel for a third of the work). */
     const int64_t chunks = (m + MC - 1) / MC;
+    const int team = omp_get_max_threads();
+    share on_stack[STACK_SHARES], *shares = shares_for(chunks * team, on_stack);
+    for (int64_t c = 0; c < chunks; c++) share_out(shares + c * team, team, panels);
 #pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
     {
+        const int self = omp_get_thread_num();
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t m0 = m / chunks * c + (c < m % chunks ? c : m % chunks);
             const int64_t m1 = m0 + m / chunks + (c < m % chunks);
             const int64_t tiles = (m1 - m0 + MRB - 1) / MRB;
-            /* static and nowait: a thread keeps the same panels for every chunk, and chunks share no output */
-#pragma omp for schedule(static) nowait
-            for (int64_t p = 0; p < panels; p++) {
+            /* the panels as linear_panels takes its pairs, chunk by chunk without waiting: chunks share no output */
+            FOR_EACH_TAKEN(p, shares + c * team, team, self) {
                 const int64_t col = p * NRB, ncols = n - col < NRB ? n - col : NRB;
-                /* The first row tile brings in the next panel (this thread's next one under the static split),
+                /* The first row tile brings in the next panel (this thread's next one in its own share),
                  * which would otherwise come from memory while the next panel's first tile waits for it. */
                 const uint16_t* next = p + 1 < panels ? packed + (p + 1) * panel_size : 0;
                 for (int64_t t = 0, r = m0; t < tiles; t++) {
@@ -1089,6 +1095,7 @@ void linear_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, cons
         }
         if (mode == STREAM) _mm_sfence(); /* the streamed lines reach memory before the threads join */
     }
+    if (shares != on_stack) free(shares);
 }
 
 #if defined(__AVX512VNNI__)
@@ -1372,11 +1379,12 @@ int64_t linear_argmax(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
     for (int64_t r = 0; r < m; r++) argmax_quantize(x + r * x_stride, k, k4, w.xq + r * k4, w.rows + r);
     const int64_t tiles = (m + QMR - 1) / QMR;
     int64_t undecided = 0;
+    share on_stack[STACK_SHARES], *shares = shares_for(threads, on_stack);
+    share_out(shares, (int)threads, pairs);
 #pragma omp parallel reduction(+ : undecided)
     {
         const int thread = omp_get_thread_num();
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) {
+        FOR_EACH_TAKEN(p, shares, (int)threads, thread) { /* as linear_argmax_f32's panels */
             const int64_t col = p * 2 * QW;
             const int halves = n - col > QW ? 2 : 1;
             for (int64_t t = 0, r = 0; t < tiles; t++) {
@@ -1387,7 +1395,7 @@ int64_t linear_argmax(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
                 r += mr;
             }
         }
-        /* the implicit barrier: every bound is in */
+#pragma omp barrier /* every bound is in */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < m; r++) {
             if (!(w.rows[r].t == w.rows[r].t)) { /* x not finite */
@@ -1422,6 +1430,7 @@ int64_t linear_argmax(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
             if (best_col < 0) undecided++;
         }
     }
+    if (shares != on_stack) free(shares);
     return undecided;
 }
 #else
