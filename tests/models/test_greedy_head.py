@@ -43,7 +43,7 @@ def _full(kernels: LinearKernels, x: torch.Tensor, w: torch.Tensor, panels: torc
 
 @pytest.mark.parametrize(
     ("m", "k", "n"),
-    [(1, 576, 4099), (13, 577, 1000), (64, 64, 49), (70, 7, 33), (3, 576, 16), (25, 130, 2048)],
+    [(1, 576, 4099), (2, 130, 1000), (13, 577, 1000), (64, 64, 49), (70, 7, 33), (3, 576, 16), (25, 130, 2048)],
 )
 def test_the_argmax_is_the_full_heads(kernels: LinearKernels, dtype: torch.dtype, m: int, k: int, n: int) -> None:
     w = _weight(n, k, seed=m * 1000 + k, dtype=dtype)
