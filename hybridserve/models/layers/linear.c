@@ -439,11 +439,11 @@ static inline __attribute__((always_inline)) void expand_blocks(int kind, const 
  * linear_q8_0_f32 below.
  *
  * Threads take the panels two at a time, each its static share of the pairs and then what another thread's share
- * has left (take). Rows go MR to a tile, panel by panel. Below 2 MR rows, one or two rows
- * left over (8 rows: 6 + 2) go over both panels at once: alone on a panel their 2 or 4 chains of multiply-adds,
- * each waiting on the last, left the FMA units half idle (a batch-8 decode step ~7% faster; with more whole
- * tiles per panel, at 32 rows, pairing measured no better). From Q4_EXPAND_MIN_ROWS rows, block panels are
- * expanded pair by pair into a thread's own two float32 panels, once per call.
+ * has left (take). Rows go MR to a tile, panel by panel. Below 2 MR rows, one or two rows left over (8 rows: 6 + 2)
+ * go over both panels at once: alone on a panel their 2 or 4 chains of multiply-adds, each waiting on the last,
+ * left the FMA units half idle (a batch-8 decode step ~7% faster; with more whole tiles per panel, at 32 rows,
+ * pairing measured no better). From Q4_EXPAND_MIN_ROWS rows, block panels are expanded pair by pair into a
+ * thread's own two float32 panels, once per call.
  *
  * gated (linear_f32_silu and its block kinds): W's panels go in pairs, a gate panel and then the up panel of the
  * same NR columns of a SiLU-gated MLP's intermediate (n of them; LinearKernels.pack_gated's order), and y [m, n]
