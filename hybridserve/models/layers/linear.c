@@ -185,11 +185,6 @@ typedef struct {
 
 static inline uint64_t share_word(int64_t front, int64_t back) { return (uint64_t)front << 32 | (uint64_t)back; }
 
-/* items split over `team` shares as a static schedule splits them, contiguous and in order */
-static inline void share_out(share* shares, int team, int64_t items) {
-    for (int t = 0; t < team; t++) shares[t].word = share_word(t * items / team, (t + 1) * items / team);
-}
-
 /* The next item of a share (its owner's: the front; another thread's: the back), or -1 when none is left. */
 static inline int64_t take(share* s, int owner) {
     uint64_t word = __atomic_load_n(&s->word, __ATOMIC_RELAXED), next;
@@ -207,11 +202,21 @@ static inline int64_t take(share* s, int owner) {
     for (int taken_v = 0; taken_v < (team); taken_v++)          \
         for (int64_t item; (item = take(&(shares)[((self) + taken_v) % (team)], taken_v == 0)) >= 0;)
 
-/* shares for `count` splits, on the stack when they fit (`on_stack`, STACK_SHARES of them), else from the heap */
-static inline share* shares_for(int64_t count, share* on_stack) {
+/* `chunks` times `items` split over `team` shares as a static schedule splits them, contiguous and in order: on
+ * the stack (`on_stack`, STACK_SHARES of them) when they fit, else from the heap (shares_free gives them back). */
+static inline share* shares_out(share* on_stack, int64_t chunks, int team, int64_t items) {
+    const int64_t count = chunks * team;
     share* shares = count <= STACK_SHARES ? on_stack : aligned_alloc(sizeof(share), count * sizeof(share));
     if (shares == 0) abort();
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t t = i % team;
+        shares[i].word = share_word(t * items / team, (t + 1) * items / team);
+    }
     return shares;
+}
+
+static inline void shares_free(share* shares, const share* on_stack) {
+    if (shares != on_stack) free(shares);
 }
 
 /* The rows of tile t when `rows` go in `tiles` tiles a row apart in size at most, the larger first (every row
@@ -461,8 +466,7 @@ static inline __attribute__((always_inline)) void linear_panels(const float* x, 
      * more (~2%) than reading x from L3 instead of L2 does. */
     const int64_t chunk = expand ? m : MC, chunks = (m + chunk - 1) / chunk;
     const int team = omp_get_max_threads();
-    share on_stack[STACK_SHARES], *shares = shares_for(chunks * team, on_stack);
-    for (int64_t c = 0; c < chunks; c++) share_out(shares + c * team, team, pairs);
+    share on_stack[STACK_SHARES], *shares = shares_out(on_stack, chunks, team, pairs);
 #pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
     {
         const int self = omp_get_thread_num();
@@ -521,7 +525,7 @@ static inline __attribute__((always_inline)) void linear_panels(const float* x, 
         }
         free(expanded);
     }
-    if (shares != on_stack) free(shares);
+    shares_free(shares, on_stack);
 }
 
 /* The exported matmuls, linear_panels over one weight layout each: W's float32 panels (linear_pack_f32) or block
@@ -684,17 +688,17 @@ static inline __attribute__((always_inline)) void argmax_f32_tile(int mr, int64_
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     const int16_t* xq = w->xq + r0 * 2 * k2;
 /* one pair of k, i: the panel's 16 columns widened to int16, times each row's pair of x */
-#define STEP(i)                                                                                               \
-    do {                                                                                                      \
+#define STEP(i)                                                                                                 \
+    do {                                                                                                        \
         const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(panel + (i) * FQP * 2)));      \
         const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(panel + (i) * FQP * 2 + 16))); \
-        for (int r = 0; r < mr; r++) {                                                                        \
-            int32_t two;                                                                                      \
-            memcpy(&two, xq + r * 2 * k2 + 2 * (i), sizeof two);                                              \
-            const __m256i a = _mm256_set1_epi32(two);                                                         \
-            acc[r][0] = madd_add(acc[r][0], a, b0);                                                           \
-            acc[r][1] = madd_add(acc[r][1], a, b1);                                                           \
-        }                                                                                                     \
+        for (int r = 0; r < mr; r++) {                                                                          \
+            int32_t two;                                                                                        \
+            memcpy(&two, xq + r * 2 * k2 + 2 * (i), sizeof two);                                                \
+            const __m256i a = _mm256_set1_epi32(two);                                                           \
+            acc[r][0] = madd_add(acc[r][0], a, b0);                                                             \
+            acc[r][1] = madd_add(acc[r][1], a, b1);                                                             \
+        }                                                                                                       \
     } while (0)
     int64_t i = 0;
     /* One or two rows with a panel to bring in: two pairs of k a turn and one prefetch, with no test of i in the
@@ -782,8 +786,7 @@ int64_t linear_argmax_f32(const float* x, int64_t x_stride, int64_t m, int64_t k
     }
     const int64_t tiles = (m + FQMR - 1) / FQMR;
     int64_t undecided = 0;
-    share on_stack[STACK_SHARES], *shares = shares_for(threads, on_stack);
-    share_out(shares, (int)threads, panels);
+    share on_stack[STACK_SHARES], *shares = shares_out(on_stack, 1, (int)threads, panels);
 #pragma omp parallel reduction(+ : undecided)
     {
         const int thread = omp_get_thread_num();
@@ -839,7 +842,7 @@ int64_t linear_argmax_f32(const float* x, int64_t x_stride, int64_t m, int64_t k
             if (best_col < 0) undecided++;
         }
     }
-    if (shares != on_stack) free(shares);
+    shares_free(shares, on_stack);
     return undecided;
 }
 #else
@@ -1012,8 +1015,7 @@ static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int6
      * Pair-major, each thread swept every weight once per pair it took. The tasks go as linear_panels' pairs do. */
     const int64_t pairs = (blocks + 1) / 2;
     const int team = omp_get_max_threads();
-    share on_stack[STACK_SHARES], *shares = shares_for(team, on_stack);
-    share_out(shares, team, pairs * panels);
+    share on_stack[STACK_SHARES], *shares = shares_out(on_stack, 1, team, pairs * panels);
 #pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
     {
         float c[4][16 * 16] __attribute__((aligned(64)));
@@ -1064,7 +1066,7 @@ static void linear_bf16_amx(const uint16_t* x, int64_t x_stride, int64_t m, int6
         if (mode == STREAM) _mm_sfence();
         _tile_release();
     }
-    if (shares != on_stack) free(shares);
+    shares_free(shares, on_stack);
     free(padded);
 }
 #endif
@@ -1086,8 +1088,7 @@ void linear_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, cons
      * 10-11, not five of 12 and one of 4 (which reads the panel for a third of the work). */
     const int64_t chunks = (m + MC - 1) / MC;
     const int team = omp_get_max_threads();
-    share on_stack[STACK_SHARES], *shares = shares_for(chunks * team, on_stack);
-    for (int64_t c = 0; c < chunks; c++) share_out(shares + c * team, team, panels);
+    share on_stack[STACK_SHARES], *shares = shares_out(on_stack, chunks, team, panels);
 #pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
     {
         const int self = omp_get_thread_num();
@@ -1111,7 +1112,7 @@ void linear_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, cons
         }
         if (mode == STREAM) _mm_sfence(); /* the streamed lines reach memory before the threads join */
     }
-    if (shares != on_stack) free(shares);
+    shares_free(shares, on_stack);
 }
 
 #if defined(__AVX512VNNI__)
@@ -1395,8 +1396,7 @@ int64_t linear_argmax(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
     for (int64_t r = 0; r < m; r++) argmax_quantize(x + r * x_stride, k, k4, w.xq + r * k4, w.rows + r);
     const int64_t tiles = (m + QMR - 1) / QMR;
     int64_t undecided = 0;
-    share on_stack[STACK_SHARES], *shares = shares_for(threads, on_stack);
-    share_out(shares, (int)threads, pairs);
+    share on_stack[STACK_SHARES], *shares = shares_out(on_stack, 1, (int)threads, pairs);
 #pragma omp parallel reduction(+ : undecided)
     {
         const int thread = omp_get_thread_num();
@@ -1446,7 +1446,7 @@ int64_t linear_argmax(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
             if (best_col < 0) undecided++;
         }
     }
-    if (shares != on_stack) free(shares);
+    shares_free(shares, on_stack);
     return undecided;
 }
 #else
