@@ -24,6 +24,8 @@ def add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
     hints = typing.get_type_hints(config)
     for f in dataclasses.fields(config):
         options = dict(f.metadata)
+        if "help" in options:  # plain text: a % in it is a percent sign, not one of argparse's format fields
+            options["help"] = options["help"].replace("%", "%%")
         positional = options.pop("positional", False)
         flag = options.pop("flag", "--" + f.name.replace("_", "-"))
         kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
