@@ -7,7 +7,11 @@ TEST_STAMP := $(VENV)/.installed-test
 CODEX_VERSION := 0.171.0
 CODEX_STAMP := .npm-tools/.codex-$(CODEX_VERSION)
 
-.PHONY: serve test test-slow bench lint
+# The tests of the native kernels and of parity with reference models: `make test-isa-cap` runs them again with the
+# kernels, PyTorch and oneDNN held to AVX2, so an AVX-512 host also runs what an AVX2-only host runs.
+KERNEL_TESTS := tests/models tests/engine/test_batch_invariance.py tests/engine/test_kimi_engine.py
+
+.PHONY: serve test test-isa-cap test-slow bench lint
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -27,6 +31,10 @@ test: $(TEST_STAMP)
 	$(VENV)/bin/ruff check hybridserve tests benchmarks scripts
 	$(VENV)/bin/lint-imports --no-logo
 	$(VENV)/bin/pytest -q $(ARGS)
+
+test-isa-cap: $(TEST_STAMP)
+	HYBRIDSERVE_MAX_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+		$(VENV)/bin/pytest -q $(KERNEL_TESTS) $(ARGS)
 
 # The Codex CLI goes into the git-ignored .npm-tools/, pinned; without npm its test skips.
 $(CODEX_STAMP):

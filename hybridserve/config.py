@@ -128,8 +128,9 @@ class EngineConfig:
     native_kernels: bool = setting(
         True,
         "on CPU, run decode attention, the KDA decode step, fused element-wise ops and float32 matmuls as C kernels "
-        "built at start-up with the system C compiler ($CC, default cc); PyTorch ops if they cannot be built, and "
-        "always on CUDA",
+        "built at start-up with the system C compiler ($CC, default cc) for this CPU's instruction sets, or for no "
+        "higher a level than $HYBRIDSERVE_MAX_CPU_ISA (avx2, avx512, avx512_bf16, amx); PyTorch ops if they cannot be "
+        "built, and always on CUDA",
     )
     gguf_blocks: bool = setting(
         True,

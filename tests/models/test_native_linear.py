@@ -292,10 +292,19 @@ def test_pack_linears_gates_the_projections_a_module_names(kernels: LinearKernel
 
 def test_a_gated_matmul_names_what_it_cannot_take(kernels: LinearKernels) -> None:
     gated = NativeLinear(_gated_layer(40, 32, True, seed=0), kernels, gated=True)
-    with pytest.raises(ValueError, match=r"bias must be contiguous float32 \[96\], got torch.float32 \(80,\)"):
+    # the gate's 40 columns and the up's, each padded to whole panels of the host's width (16 with AVX2, 32 with
+    # AVX-512)
+    width = kernels.panel_width[torch.float32]
+    panels = 2 * -(-40 // width)
+    assert gated.panels.shape[0] == panels
+    with pytest.raises(
+        ValueError, match=rf"bias must be contiguous float32 \[{panels * width}\], got torch.float32 \(80,\)"
+    ):
         kernels.linear(torch.randn(2, 32), gated.panels, 40, torch.zeros(80), gated=True)
-    with pytest.raises(ValueError, match=r"a gated matmul takes float32 panels of pack_gated's .* \(6 panels for 40"):
-        kernels.linear(torch.randn(2, 32), gated.panels[:4], 40, None, gated=True)
+    with pytest.raises(
+        ValueError, match=rf"a gated matmul takes float32 panels of pack_gated's .* \({panels} panels for 40"
+    ):
+        kernels.linear(torch.randn(2, 32), gated.panels[:-1], 40, None, gated=True)
     with pytest.raises(ValueError, match=r"a gated weight has \[gate; up\] rows, an even count; got \(5, 3\)"):
         kernels.pack_gated(torch.zeros(5, 3))
     if torch.bfloat16 in kernels.dtypes:

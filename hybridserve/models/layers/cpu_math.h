@@ -5,6 +5,19 @@
 
 #include <stdint.h>
 
+/* The instruction-set level this library is built for, by native.py's ISA_LEVELS names. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define BUILT_ISA "amx"
+#elif defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define BUILT_ISA "avx512_bf16"
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define BUILT_ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define BUILT_ISA "avx2"
+#else
+#define BUILT_ISA "baseline"
+#endif
+
 typedef union {
     uint32_t u;
     float f;

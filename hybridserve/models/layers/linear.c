@@ -41,6 +41,7 @@
 typedef float vf __attribute__((vector_size(VW * sizeof(float)), aligned(sizeof(float))));
 
 int64_t linear_panel_width(void) { return NR; }
+const char* linear_isa(void) { return BUILT_ISA; }
 
 /* w: [n, k] row-major; packed: [ceil(n / NR), k, NR], the columns past n zero. */
 void linear_pack_f32(const float* w, int64_t n, int64_t k, float* packed) {

@@ -45,6 +45,20 @@ _HERE = Path(__file__).parent
 # -fno-trapping-math: no kernel reads the floating-point exception flags, and with them kept GCC leaves every loop
 # with a clamp or select unvectorised (exp_approx's, so SiLU ran a lane at a time); results are unchanged.
 _FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-std=gnu11", "-fopenmp", "-fPIC", "-shared")
+# The instruction-set levels the kernels have variants for, lowest first: the CPU flags (/proc/cpuinfo's names) a host
+# needs for a level on top of the levels below it, and the compiler flags that turn off everything above the level in
+# a -march=native build. $HYBRIDSERVE_MAX_CPU_ISA caps the build at a level (as oneDNN's ONEDNN_MAX_CPU_ISA does),
+# so one host runs the variants of the hosts below it; cpu_math.h's BUILT_ISA names the level a library was built for.
+ISA_LEVELS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    "avx2": (frozenset({"avx2", "fma", "f16c"}), ("-mno-avx512f", "-mno-amx-tile")),
+    "avx512": (
+        frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"}),
+        ("-mno-avx512bf16", "-mno-avx512vnni", "-mno-amx-tile"),
+    ),
+    "avx512_bf16": (frozenset({"avx512_bf16", "avx512_vnni"}), ("-mno-amx-tile",)),
+    "amx": (frozenset({"amx_tile", "amx_bf16"}), ()),
+}
+MAX_ISA_VARIABLE = "HYBRIDSERVE_MAX_CPU_ISA"
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -258,6 +272,8 @@ class LinearKernels:
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
+        # the level of ISA_LEVELS the library was built for ("baseline" below them all)
+        self.isa: str = _function(lib, "linear_isa", [], ctypes.c_char_p)().decode()
         self.panel_width = {torch.float32: int(_function(lib, "linear_panel_width", [], _I)())}
         if bf16_width := int(_function(lib, "linear_bf16_panel_width", [], _I)()):
             self.panel_width[torch.bfloat16] = bf16_width
@@ -741,7 +757,7 @@ def _build(name: str, defines: dict[str, int]) -> Path:
     if shutil.which(compiler) is None:
         raise KernelUnavailable(f"C compiler {compiler!r} (from $CC, default cc) not found")
     source_path = _HERE / f"{name}.c"
-    flags = _FLAGS + tuple(f"-D{k}={v}" for k, v in defines.items())
+    flags = _FLAGS + _isa_cap_flags() + tuple(f"-D{k}={v}" for k, v in defines.items())
     sources = [source_path.read_bytes(), *(h.read_bytes() for h in sorted(_HERE.glob("*.h")))]
     key = hashlib.sha256(
         b"\0".join([*sources, " ".join(flags).encode(), _compiler_version(compiler), _cpu_identity().encode()])
@@ -775,15 +791,47 @@ def _compiler_version(compiler: str) -> bytes:
         raise KernelUnavailable(f"C compiler {compiler!r} does not run: {exc}") from exc
 
 
-def _cpu_identity() -> str:
-    """The machine and its instruction-set flags: a -march=native library is only valid on the same CPU."""
-    flags = ""
+def _cpu_flags() -> str:
+    """/proc/cpuinfo's line of the first CPU's instruction-set flags ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
-        pass
-    return f"{platform.machine()}\0{flags}"
+        return ""
+
+
+def _cpu_identity() -> str:
+    """The machine and its instruction-set flags: a -march=native library is only valid on the same CPU."""
+    return f"{platform.machine()}\0{_cpu_flags()}"
+
+
+def host_isa() -> str | None:
+    """The highest of ISA_LEVELS this CPU has (each level needs the ones below it), None below AVX2 or off x86."""
+    flags = set(_cpu_flags().partition(":")[2].split())
+    level = None
+    for name, (needs, _) in ISA_LEVELS.items():
+        if not needs <= flags:
+            break
+        level = name
+    return level
+
+
+def max_isa() -> str | None:
+    """The level the kernels are built for: the host's, or $HYBRIDSERVE_MAX_CPU_ISA's where that is lower. Raises
+    ValueError for a value that names no level."""
+    host, cap = host_isa(), os.environ.get(MAX_ISA_VARIABLE, "")
+    if not cap:
+        return host
+    if cap not in ISA_LEVELS:
+        raise ValueError(f"${MAX_ISA_VARIABLE} is {cap!r}; expected one of {', '.join(ISA_LEVELS)} (or unset)")
+    levels = list(ISA_LEVELS)
+    return cap if host is not None and levels.index(cap) < levels.index(host) else host
+
+
+def _isa_cap_flags() -> tuple[str, ...]:
+    """The compiler flags that hold a -march=native build to max_isa(): none where that is the host's level."""
+    level = max_isa()
+    return ISA_LEVELS[level][1] if level is not None and level != host_isa() else ()
 
 
 def use_native_ops(model: torch.nn.Module, ops: FusedOps) -> None:
