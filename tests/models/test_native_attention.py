@@ -13,7 +13,13 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.models.layers import native
 from hybridserve.models.layers.attention import AttentionMetadata, rope_and_cache
-from hybridserve.models.layers.native import KernelUnavailable, load_fused_ops, load_paged_attention
+from hybridserve.models.layers.native import (
+    KernelUnavailable,
+    load_fused_ops,
+    load_linear_kernels,
+    load_paged_attention,
+    max_isa,
+)
 from hybridserve.models.layers.norm import RMSNorm
 from hybridserve.models.layers.rope import RotaryEmbedding
 
@@ -145,9 +151,11 @@ def test_a_single_visible_key_returns_its_value():
     assert torch.equal(out[0, 0], torch.arange(64.0))
 
 
-def test_bf16_dot_product_path_is_used_where_the_cpu_has_it():
-    with open("/proc/cpuinfo") as f:
-        has_bf16 = " avx512_bf16" in f.read()
+def test_bf16_dot_product_path_is_used_where_the_build_has_it():
+    """Where the kernels are built for AVX512-BF16 (the host's level, or $HYBRIDSERVE_MAX_CPU_ISA's below it), as the
+    matmul library's bf16 panels say."""
+    has_bf16 = max_isa() in ("avx512_bf16", "amx")
+    assert (torch.bfloat16 in load_linear_kernels().dtypes) == has_bf16
     assert load_paged_attention(torch.bfloat16, 64, 16, 3).bf16_dot == has_bf16
     assert not load_paged_attention(torch.float32, 64, 16, 3).bf16_dot
     assert not load_paged_attention(torch.bfloat16, 80, 16, 3).bf16_dot  # 80 is not a multiple of 32
