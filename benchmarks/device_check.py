@@ -121,7 +121,7 @@ def decode_speed(model_dir: Path, device: str, report: dict) -> None:
     runs: dict[tuple[int, bool], dict[str, list[int]]] = {}
     for graphs in (True, False):
         core = EngineCore(
-            EngineConfig(
+            EngineConfig.of(
                 dtype="bfloat16", device=device, max_num_seqs=256, max_num_batched_tokens=16384, cuda_graphs=graphs
             ),
             model_dir,

@@ -59,7 +59,7 @@ def layer_row(length: int, repeats: int, gen: torch.Generator, dtype: torch.dtyp
 
 def prefill_ms(llm: LLM, length: int, repeats: int, gen: torch.Generator) -> dict[str, float]:
     """The median whole-prefill time with the native prefill off and on, in turns."""
-    kernels = llm.core.runner.attention_kernels
+    kernels = llm.core.runner.backend.attention
     assert kernels is not None
     params = SamplingParams(temperature=0.0, max_tokens=1)
     times: dict[bool, list[float]] = {False: [], True: []}

@@ -60,7 +60,7 @@ class EngineClient(Protocol):
 
 
 def engine_facts(core: EngineCore, config: EngineConfig) -> EngineFacts:
-    return EngineFacts(core.max_model_len, core.runner.vocab_size, core.runner.num_blocks, config.block_size)
+    return EngineFacts(core.max_model_len, core.runner.vocab_size, core.runner.num_blocks, config.cache.block_size)
 
 
 class InprocEngineClient:

@@ -17,7 +17,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.events import KVEventLog
 from hybridserve.engine.cache.manager import KVCacheManager
 from hybridserve.engine.identity import weights_fingerprint
-from hybridserve.engine.kv_transfer.connector import KVConnector, TransferSettings
+from hybridserve.engine.kv_transfer.connector import KVConnector
 from hybridserve.engine.kv_transfer.messages import RemotePrefill
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.plan import SchedulerOutput
@@ -54,39 +54,30 @@ class EngineCore:
     def __init__(self, config: EngineConfig, hf_dir: Path, events: KVEventLog | None = None) -> None:
         """`events`: where the prefix cache reports what it gains and loses (a worker publishes it)."""
         # Requests without a seed draw from the global generators: --seed makes a server's run reproducible.
-        torch.manual_seed(config.seed)
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.model.seed)
+        if config.parallel.num_threads is not None:
+            torch.set_num_threads(config.parallel.num_threads)
         self.runner = ModelRunner(config, hf_dir)
-        self.max_model_len = min(config.max_model_len or self.runner.max_position, self.runner.max_position)
+        self.max_model_len = min(config.model.max_model_len or self.runner.max_position, self.runner.max_position)
         self.kv = KVCacheManager(
             self.runner.num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
             self.runner.num_state_slots,
             self.runner.num_state_snapshots,
             events,
         )
-        spec = config.speculative_config
+        spec = config.scheduler.speculative_config
         reads = math.inf if spec is None else spec.weight_read_tokens
         if reads is None:
             reads = self.runner.weight_read_tokens()
-        self.scheduler = Scheduler(config, self.kv, self.runner.device.type, reads)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.device.type, reads)
         self.connector: KVConnector | None = None
-        if config.role != "both":
-            settings = TransferSettings(
-                config.role,
-                config.kv_lease,
-                config.kv_transfer_timeout,
-                config.kv_transfer_max_bytes,
-                config.kv_transfer_failure,
-                config.kv_staging_bytes,
-                config.kv_staging_min_run,
-            )
+        if config.transfer.role != "both":
             runner = self.runner
             weights = weights_fingerprint(hf_dir)
             self.connector = KVConnector(
-                settings, runner.layout, runner.kv_caches, runner.device, weights, self.scheduler
+                config.transfer, runner.layout, runner.kv_caches, runner.device, weights, self.scheduler
             )
         self.grammar_bitmask = GrammarBitmask(self.runner.vocab_size)
         self._pending: list[EngineCoreOutput] = []

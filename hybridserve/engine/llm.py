@@ -19,8 +19,8 @@ from hybridserve.tokenizer import load_tokenizer
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: object) -> None:
-        config = EngineConfig(model=model, **engine_args)  # type: ignore[arg-type]
-        resolved = resolve_model(config.model)
+        config = EngineConfig.of(model=model, **engine_args)
+        resolved = resolve_model(config.model.model)
         self.config = config
         self.tokenizer = load_tokenizer(resolved.hf_dir)
         self.eos_token_ids = eos_token_ids(resolved.hf_dir, self.tokenizer)

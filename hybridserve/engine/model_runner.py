@@ -9,25 +9,24 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
 import logging
-import mmap
 import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine import decode_graphs, roofline
-from hybridserve.engine.cache.state_tensors import StateTensors
+from hybridserve.engine.backend import choose_backend
+from hybridserve.engine.cache.allocation import allocate_caches
 from hybridserve.engine.plan import ScheduledRequest, SchedulerOutput
 from hybridserve.engine.prompt_logprobs import PromptLogprobs
 from hybridserve.engine.sampler import Sampler, SampleResult, SamplingState
 from hybridserve.engine.structured_output import TokenMask
-from hybridserve.models.cache_specs import AttentionSpec, CacheLayout, LinearStateSpec
+from hybridserve.models.base import CausalLM
+from hybridserve.models.cache_specs import CacheLayout
 from hybridserve.models.layers.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -35,24 +34,8 @@ from hybridserve.models.layers.attention import (
     StateMetadata,
     decode_bias,
 )
-from hybridserve.models.layers.linear import NativeLinear, can_pack, pack_linears
-from hybridserve.models.layers.native import (
-    FusedOps,
-    KDADecode,
-    KernelUnavailable,
-    LinearKernels,
-    PagedAttention,
-    load_decoder_stack,
-    load_fused_ops,
-    load_kda_decode,
-    load_linear_kernels,
-    load_paged_attention,
-    use_native_ops,
-)
-from hybridserve.models.layers.rope import RotaryEmbedding
-from hybridserve.models.loader.gguf import gguf_blocks
-from hybridserve.models.loader.safetensors import load_state_dict, pack
-from hybridserve.models.registry import load_config, model_class, state_adapter
+from hybridserve.models.loader.model import load_model
+from hybridserve.models.registry import load_config
 
 logger = logging.getLogger("hybridserve.engine")
 
@@ -74,19 +57,6 @@ def choose_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool = False) -> torch.Tensor:
-    """A zero-filled tensor. On CPU it is backed by an anonymous mapping, so pages cost memory only once
-    written: a large KV cache does not take its full size in RAM until the blocks are used. With `prefault`
-    every page is written now instead, so none is faulted in later inside a step."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = dtype.itemsize
-    for dim in shape:
-        nbytes *= dim
-    tensor = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
-    return tensor.zero_() if prefault else tensor
-
-
 def keep_freed_buffers() -> bool:
     """Have glibc's malloc keep freed blocks of up to 32 MiB for reuse rather than hand them back to the kernel.
     By default it maps each block over its threshold (128 KiB, raised as such blocks are freed) afresh and unmaps
@@ -103,120 +73,49 @@ def keep_freed_buffers() -> bool:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_dir: Path) -> None:
-        self.device = choose_device(config.device)
-        self.dtype = choose_dtype(config.dtype, self.device)
-        self.block_size = config.block_size
-        t0 = time.perf_counter()
-        self.hf_config = load_config(hf_dir)
-        cls = model_class(self.hf_config)
-        with torch.device("meta"):
-            model = cls(self.hf_config)
-        state = load_state_dict(hf_dir, self.dtype, self.device, getattr(model, "fp32_parameters", ()))
-        # Old Llama checkpoints carry the rotary table; the model computes its own.
-        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-        state = pack(state_adapter(cls)(state), model.packed_modules)
-        unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
-        if unexpected:
-            raise ValueError(f"checkpoint {hf_dir} has parameters the model does not use: {unexpected[:5]}")
-        if self.hf_config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        missing = [n for n, p in model.named_parameters() if p.is_meta]
-        if missing:
-            raise ValueError(f"checkpoint {hf_dir} lacks parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        # Rotary tables were computed on the CPU while the rest was built on meta.
-        for module in model.modules():
-            if isinstance(module, RotaryEmbedding):
-                module.to(self.device, self.dtype)
-        self.costs = roofline.model_costs(model)  # before the linear layers are swapped for packed ones
-        if can_pack(self.device):
-            kernels = self._linear_kernels(config)
-            blocks: dict[str, tuple[str, torch.Tensor]] = {}
-            if kernels is not None and config.gguf_blocks and self.dtype == torch.float32:
-                for kind, named in gguf_blocks(hf_dir).items():
-                    named = pack(state_adapter(cls)(named), model.packed_modules, partial=True)
-                    blocks |= {name: (kind, tensor) for name, tensor in named.items()}
-            pack_linears(model, kernels, blocks)
-            self._log_blocks(model, blocks)
-        self.model = model.eval()
-        self.vocab_size = self.hf_config.vocab_size
-        self.max_position = self.hf_config.max_position_embeddings
-        window = getattr(self.hf_config, "sliding_window", None)
-        if window and getattr(self.hf_config, "use_sliding_window", True) and window < self.max_position:
-            # Attention here is full attention: within the window it equals sliding-window attention,
-            # beyond it it would silently differ, so the context stops at the window.
-            logger.warning("model uses sliding-window attention (%d tokens): context limited to %d", window, window)
-            self.max_position = window
-        logger.info("loaded %s (%s, %s) in %.1fs", hf_dir, self.device, self.dtype, time.perf_counter() - t0)
-        # After loading, so the loader's transient buffers still go back to the kernel.
-        if self.device.type == "cpu" and keep_freed_buffers():
-            logger.info("malloc keeps freed buffers up to 32 MiB: steps reuse their activations' pages")
+    """Start-up, in order: the device and dtype, the backend (backend.py), the model (loader/model.py), its
+    linear layers packed for the backend, the caches (cache/allocation.py), the backend's kernels, CUDA graphs."""
 
-        self.layout = CacheLayout(model.cache_spec(config.block_size, self.dtype))
-        self.num_blocks = config.num_kv_blocks or self.layout.num_blocks_for(config.kv_cache_memory_bytes)
+    def __init__(self, config: EngineConfig, hf_dir: Path) -> None:
+        self.device = choose_device(config.model.device)
+        self.dtype = choose_dtype(config.model.dtype, self.device)
+        self.block_size = config.cache.block_size
+        self.backend = choose_backend(self.device, self.dtype, config.kernels)
+        self.hf_config = load_config(hf_dir)
+        self.model = self._load_model(hf_dir)
+        self.vocab_size = self.hf_config.vocab_size
+        self.max_position = self._max_position()
+        self.layout = CacheLayout(self.model.cache_spec(self.block_size, self.dtype))
+        self.num_blocks = config.cache.num_kv_blocks or self.layout.num_blocks_for(config.cache.kv_cache_memory_bytes)
         if self.num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is smaller than one KV block "
+                f"kv_cache_memory_bytes={config.cache.kv_cache_memory_bytes} is smaller than one KV block "
                 f"({self.layout.bytes_per_block} bytes)"
             )
-        graphs = (
-            config.cuda_graphs
-            and decode_graphs.available(self.device)
-            and getattr(model, "graph_capturable", False)
-            and not self.layout.state_specs
-        )
-        # The KV cache and a hybrid model's state pool: with kv_cache_prefault every page written now. With decode
-        # graphs the cache has one block past the pool's, for the padding rows' writes.
-        alloc = functools.partial(zeroed, prefault=config.kv_cache_prefault)
-        start = time.perf_counter()
-        physical = self.num_blocks + (1 if graphs else 0)
-        paged = iter([alloc(s.shape(physical), s.dtype, self.device) for s in self.layout.paged_specs])
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+        graphs = self.backend.captures_decode_graphs(self.model, self.layout)
+        slots = (config.cache.num_state_slots or config.scheduler.max_num_seqs) if self.layout.state_specs else 0
+        # With decode graphs the cache has one block past the pool's, for the padding rows' writes.
+        caches = allocate_caches(
+            self.layout,
             self.num_blocks,
-            self.block_size,
-            self.num_blocks * self.layout.bytes_per_block / 1024**3,
+            config.cache,
+            slots,
+            self.device,
+            padding_block=graphs,
+            backups=config.scheduler.speculative_config is not None,
         )
-        # Models with linear-attention layers: state slots, and snapshots of them for prefix hits.
-        self.num_state_slots = self.num_state_snapshots = 0
-        self.state_tensors: StateTensors | None = None
-        states = iter([])
-        if self.layout.state_specs:
-            slots = self.num_state_slots = config.num_state_slots or config.max_num_seqs
-            if config.enable_prefix_caching:
-                self.num_state_snapshots = slots if config.num_state_snapshots is None else config.num_state_snapshots
-            self.state_tensors = StateTensors(
-                self.layout.state_specs,
-                slots,
-                self.num_state_snapshots,
-                self.device,
-                alloc,
-                backups=config.speculative_config is not None,
-            )
-            states = iter(self.state_tensors.slots)
-            logger.info("recurrent state: %d slots of %.2f MiB", slots, self.layout.bytes_per_state_slot / 1024**2)
-            if self.num_state_snapshots:
-                logger.info("recurrent-state snapshots for prefix hits: %d", self.num_state_snapshots)
-        if config.kv_cache_prefault and self.device.type == "cpu":
-            logger.info("KV cache and state pool written at start-up in %.1f s", time.perf_counter() - start)
-        # Per layer, in layer order: a paged cache tensor, or a (conv tails, states) pair of the state pool.
-        self.kv_caches = [
-            next(states) if isinstance(s, LinearStateSpec) else next(paged) for s in self.layout.layer_specs
-        ]
-        self.attention_kernels: PagedAttention | None = None
-        self.state_kernel: KDADecode | None = None
-        self.fused_ops: FusedOps | None = None
-        if config.native_kernels and self.device.type == "cpu":
-            self._load_native_kernels()
-        self.sampler = Sampler(self.vocab_size, self.fused_ops)
+        self.kv_caches, self.state_tensors = caches.kv_caches, caches.state_tensors
+        self.num_state_slots, self.num_state_snapshots = slots, caches.num_state_snapshots
+        self.backend.load_kernels(self.model, self.layout, self.hf_config)
+        self.sampler = Sampler(self.vocab_size, self.backend.fused_ops)
         self.decode_graphs: decode_graphs.DecodeGraphs | None = None
         if graphs:
-            max_len = min(config.max_model_len or self.max_position, self.max_position)
+            max_len = min(config.model.max_model_len or self.max_position, self.max_position)
             self.decode_graphs = decode_graphs.DecodeGraphs(
                 self.model,
                 self.kv_caches,
                 self.block_size,
-                config.max_num_seqs,
+                config.scheduler.max_num_seqs,
                 -(-max_len // self.block_size),
                 self.num_blocks,
                 self.dtype,
@@ -225,24 +124,28 @@ class ModelRunner:
             logger.info("decode-only steps replay CUDA graphs, captured per padded shape as steps first need them")
         self.requests: dict[str, _RunnerRequest] = {}  # every request an earlier plan scheduled and none finished
 
-    @staticmethod
-    def _log_blocks(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) -> None:
-        """Say how many matmuls sum their weights from GGUF blocks, and the bytes that saves."""
-        native = [m for m in model.modules() if isinstance(m, NativeLinear)]
-        packed = [m for m in native if m.blocks is not None]
-        if packed:
-            kinds = sorted({str(m.blocks) for m in packed})
-            logger.info(
-                "%d of %d matmuls sum their weights from GGUF blocks (%s), bitwise as float32: %.0f MiB read instead "
-                "of %.0f MiB",
-                len(packed),
-                len(native),
-                ", ".join(kinds),
-                sum(m.panels.numel() for m in packed) / 1024**2,
-                sum(m.weight_numel * 4 for m in packed) / 1024**2,
-            )
-        elif blocks:
-            logger.warning("the model's GGUF blocks went unused: no matmul could be packed from them")
+    def _load_model(self, hf_dir: Path) -> CausalLM:
+        """The model with its weights, its linear layers packed for the backend, in eval mode."""
+        t0 = time.perf_counter()
+        model = load_model(hf_dir, self.hf_config, self.dtype, self.device)
+        self.costs = roofline.model_costs(model)  # before the linear layers are swapped for packed ones
+        self.backend.prepare(model, hf_dir)
+        logger.info("loaded %s (%s, %s) in %.1fs", hf_dir, self.device, self.dtype, time.perf_counter() - t0)
+        # After loading, so the loader's transient buffers still go back to the kernel.
+        if self.device.type == "cpu" and keep_freed_buffers():
+            logger.info("malloc keeps freed buffers up to 32 MiB: steps reuse their activations' pages")
+        return model.eval()
+
+    def _max_position(self) -> int:
+        """The longest context the model takes: its max_position_embeddings, or its sliding window if shorter."""
+        max_position = self.hf_config.max_position_embeddings
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window and getattr(self.hf_config, "use_sliding_window", True) and window < max_position:
+            # Attention here is full attention: within the window it equals sliding-window attention,
+            # beyond it it would silently differ, so the context stops at the window.
+            logger.warning("model uses sliding-window attention (%d tokens): context limited to %d", window, window)
+            return window
+        return max_position
 
     def weight_read_tokens(self) -> float:
         """What reading this model's weights once costs on this device, in tokens' compute: measured now
@@ -262,63 +165,6 @@ class ModelRunner:
             self.dtype,
         )
         return tokens
-
-    def _linear_kernels(self, config: EngineConfig) -> LinearKernels | None:
-        """The native matmuls for the linear layers, or None (oneDNN's then) with a log line naming why."""
-        if not config.native_kernels:
-            return None
-        try:
-            kernels = load_linear_kernels()
-        except KernelUnavailable as exc:
-            logger.warning("linear layers use oneDNN: %s", exc)
-            return None
-        if self.dtype not in kernels.dtypes:
-            logger.info("linear layers use oneDNN: no native %s kernel on this CPU (needs AVX512-BF16)", self.dtype)
-            return None
-        logger.info("linear layers: %s", kernels.describe(self.dtype))
-        return kernels
-
-    def _load_native_kernels(self) -> None:
-        """C kernels for this model on CPU: paged attention (decode, rotary + cache write) for its attention
-        layers, the KDA decode step for its linear-attention layers, the fused element-wise ops and argmax. Each
-        falls back to PyTorch ops, with a warning naming why, if it cannot be built."""
-        try:
-            self.fused_ops = load_fused_ops()
-            use_native_ops(self.model, self.fused_ops)
-        except KernelUnavailable as exc:
-            logger.warning("element-wise ops stay PyTorch ops: %s", exc)
-        head_dims = {s.head_dim for s in self.layout.state_specs}
-        if len(head_dims) == 1:
-            try:
-                self.state_kernel = load_kda_decode(head_dims.pop())
-            except KernelUnavailable as exc:
-                logger.warning("KDA decode falls back to PyTorch ops: %s", exc)
-        specs = {s for s in self.layout.paged_specs if isinstance(s, AttentionSpec)}
-        if len(specs) != 1:
-            return
-        spec = specs.pop()
-        heads = self.hf_config.num_attention_heads
-        group = heads // (getattr(self.hf_config, "num_key_value_heads", None) or heads)
-        try:
-            self.attention_kernels = load_paged_attention(spec.dtype, spec.head_dim, spec.block_size, group)
-        except KernelUnavailable as exc:
-            logger.warning("paged attention falls back to PyTorch ops: %s", exc)
-            return
-        logger.info(
-            "paged attention: native kernels (head_dim %d, %d query heads per KV head, %s%s%s)",
-            spec.head_dim,
-            group,
-            spec.dtype,
-            ", bf16 dot-product instructions" if self.attention_kernels.bf16_dot else "",
-            ", prefills too" if self.attention_kernels.prefills else "",
-        )
-        use_stack = getattr(self.model, "use_decoder_stack", None)
-        if use_stack is not None and self.fused_ops is not None:
-            try:
-                use_stack(load_decoder_stack(), self.fused_ops, self.attention_kernels)
-                logger.info("decode-only steps: every decoder layer in one native call")
-            except KernelUnavailable as exc:
-                logger.info("decode-only steps go layer by layer: %s", exc)
 
     def check_integrity(self) -> None:
         if self.state_tensors is not None:
@@ -358,7 +204,7 @@ class ModelRunner:
         decode_states: list[int] = []
         prefill_states: list[int] = []
         offset = 0
-        native_prefill = self.attention_kernels is not None and self.attention_kernels.prefills
+        native_prefill = self.backend.attention is not None and self.backend.attention.prefills
         for s in plan.scheduled:
             req = self.requests[s.request_id]
             table = req.block_ids
@@ -401,14 +247,14 @@ class ModelRunner:
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
             lens = torch.tensor(decode_lens, device=dev)
             bias = None  # the native kernel stops at each request's length by itself
-            if self.attention_kernels is None:
+            if self.backend.attention is None:
                 bias = decode_bias(lens, torch.arange(width * bs, device=dev), self.dtype)
             decode = DecodeGroup(torch.tensor(decode_rows, device=dev), tables, tables.flatten(), lens, bias)
         states = None
         if self.state_tensors is not None:
             decode_slots = torch.tensor(decode_states, device=dev) if decode_states else None
-            states = StateMetadata(decode_slots, prefill_states, self.state_kernel)
-        return AttentionMetadata(torch.tensor(slots, device=dev), decode, prefills, states, self.attention_kernels)
+            states = StateMetadata(decode_slots, prefill_states, self.backend.state_kernel)
+        return AttentionMetadata(torch.tensor(slots, device=dev), decode, prefills, states, self.backend.attention)
 
     def _graph_inputs(self, plan: SchedulerOutput) -> tuple[list[int], list[list[int]], list[int]] | None:
         """Cache slots, block tables and context lengths of a decode-only plan (one token a request, no drafts),

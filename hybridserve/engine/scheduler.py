@@ -41,7 +41,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping
 
-from hybridserve.config import EngineConfig
+from hybridserve.config import SchedulerConfig
 from hybridserve.engine.cache.manager import KVCacheManager
 from hybridserve.engine.drafting import NgramProposer, Proposer
 from hybridserve.engine.kv_transfer.messages import TransferSource
@@ -57,7 +57,7 @@ _EXPLORE = 4
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, kv: KVCacheManager, device_type: str, weight_read_tokens: float = math.inf
+        self, config: SchedulerConfig, kv: KVCacheManager, device_type: str, weight_read_tokens: float = math.inf
     ) -> None:
         """`weight_read_tokens`: speculative decoding's cost of a step's weight read in tokens (roofline.py): the
         config's, else the engine's measurement (EngineCore decides); unbounded, a request drafts all its

@@ -120,7 +120,7 @@ class EngineWorker:
         dtype = str(runner.dtype).removeprefix("torch.")
         facts = engine_facts(self.core, config)
         self.identity = worker_identity(model_name, hf_dir, dtype, runner.num_state_slots > 0, facts)
-        self.role = config.role
+        self.role = config.transfer.role
         self.secret = secret
         self.stop_when = stop_when
         self.session_timeout_s = session_timeout_s

@@ -15,16 +15,14 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from hybridserve.models.base import CausalLM, LayerCache
 from hybridserve.models.cache_specs import LayerSpec, LinearStateSpec, MLASpec
 from hybridserve.models.layers.attention import AttentionMetadata
 from hybridserve.models.layers.depth_mix import DepthMix, DepthStream
 from hybridserve.models.layers.kda import KDAConfig, KimiDeltaAttention
-from hybridserve.models.layers.linear import NativeLinear
 from hybridserve.models.layers.mla import MLAConfig, MultiheadLatentAttention
 from hybridserve.models.layers.moe import GatedMLP, MoEConfig, SparseMoE
 from hybridserve.models.layers.norm import RMSNorm
-
-LayerCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 def _linear_attn(config: PretrainedConfig) -> dict:
@@ -134,7 +132,7 @@ class KimiLinearModel(nn.Module):
         return self.norm(self.output_res(stream.values()))[0]  # mix, then norm
 
 
-class KimiLinearForCausalLM(nn.Module):
+class KimiLinearForCausalLM(CausalLM):
     # Checkpoint projections computed as one matmul each (see loader.safetensors.pack).
     packed_modules = {
         "in_proj": ("f_a_proj", "g_a_proj", "b_proj", "q_proj", "k_proj", "v_proj"),
@@ -170,10 +168,3 @@ class KimiLinearForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens. No layer uses
         positions (MLA here is NoPE; KDA is ordered by its state)."""
         return self.model(input_ids, caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-        """As LlamaForCausalLM.greedy_tokens."""
-        return self.lm_head.argmax(hidden, vocab_size) if isinstance(self.lm_head, NativeLinear) else None

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from hybridserve.models.base import CausalLM
 from hybridserve.models.cache_specs import AttentionSpec
 from hybridserve.models.layers.activation import silu_gated
 from hybridserve.models.layers.attention import AttentionMetadata, paged_attention, rope_and_cache
@@ -101,7 +102,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     # Checkpoint projections computed as one matmul each (see loader.safetensors.pack).
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     # A decode-only step is tensor ops over the attention metadata alone, with no host synchronisation, so a CUDA
@@ -120,8 +121,6 @@ class LlamaForCausalLM(nn.Module):
         self.decoder_stack: DecoderStack | None = None  # set by use_decoder_stack
 
     def use_decoder_stack(self, library: Path, ops: FusedOps, attention: PagedAttention) -> None:
-        """Run decode-only steps through decoder_stack.c (`library`, native.load_decoder_stack) on these
-        kernels and the layers' native matmuls. Raises KernelUnavailable naming what this model lacks for it."""
         layers = list(self.model.layers)
         attn = layers[0].self_attn
         if attn.qk_norm:
@@ -181,12 +180,3 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache in zip(self.model.layers, caches, strict=True):
             x, residual = layer(x, residual, cos_sin, cache, meta)
         return self.model.norm(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits: sampling and logprobs are exact and fast on them whatever the model dtype."""
-        return self.lm_head(hidden).float()
-
-    def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-        """compute_logits(hidden)[:, :vocab_size].argmax(-1) from the head's int8 bounds, most logits never
-        computed; None where the head has none (NativeLinear.argmax)."""
-        return self.lm_head.argmax(hidden, vocab_size) if isinstance(self.lm_head, NativeLinear) else None

@@ -7,16 +7,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 from transformers import AutoConfig, KimiLinearConfig, PretrainedConfig
 
+from hybridserve.models.base import CausalLM
 from hybridserve.models.kimi_linear import KimiLinearForCausalLM
 from hybridserve.models.llama import LlamaForCausalLM
 from hybridserve.models.loader.kimi_linear import canonical_state
 
 StateAdapter = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
-_ARCHITECTURES: dict[str, type[nn.Module]] = {
+_ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -24,7 +24,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
 }
 # Checkpoint names that differ from the model's, mapped at load time (identity when absent).
-_ADAPTERS: dict[type[nn.Module], StateAdapter] = {KimiLinearForCausalLM: canonical_state}
+_ADAPTERS: dict[type[CausalLM], StateAdapter] = {KimiLinearForCausalLM: canonical_state}
 
 
 def load_config(hf_dir: Path) -> PretrainedConfig:
@@ -39,12 +39,12 @@ def load_config(hf_dir: Path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(hf_dir)
 
 
-def model_class(config: PretrainedConfig) -> type[nn.Module]:
+def model_class(config: PretrainedConfig) -> type[CausalLM]:
     for arch in config.architectures or []:
         if arch in _ARCHITECTURES:
             return _ARCHITECTURES[arch]
     raise ValueError(f"unsupported architecture {config.architectures!r}; supported: {sorted(_ARCHITECTURES)}")
 
 
-def state_adapter(cls: type[nn.Module]) -> StateAdapter:
+def state_adapter(cls: type[CausalLM]) -> StateAdapter:
     return _ADAPTERS.get(cls, dict)

@@ -7,10 +7,9 @@ workers. It is always the same router and the same path, only the worker list di
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
-from hybridserve.config import DeploymentConfig, EngineConfig
+from hybridserve.config import DeploymentConfig, EngineConfig, ServingConfig
 from hybridserve.engine.async_llm import GENERATION_CONFIG, AsyncLLM, eos_token_ids, sampling_defaults
 from hybridserve.engine.identity import tokenizer_fingerprint, weights_fingerprint
 from hybridserve.models.loader import resolve_model
@@ -23,20 +22,22 @@ from hybridserve.tokenizer import load_tokenizer
 logger = logging.getLogger("hybridserve.engine")
 
 STARTUP_TIMEOUT_S = 600.0  # loading a model; remote workers: until the first one answers
-WORKER_API_KEY_ENV = "HYBRIDSERVE_WORKER_API_KEY"
 
 
 def build_engine(
-    config: EngineConfig, deployment: DeploymentConfig | None = None, on_fatal: Callable[[str], None] | None = None
+    config: EngineConfig,
+    deployment: DeploymentConfig | None = None,
+    serving: ServingConfig | None = None,
+    on_fatal: Callable[[str], None] | None = None,
 ) -> AsyncLLM:
     """Starts the local workers, waits until they (and at least one worker in all) answer, and returns the
     frontend's engine. Raises EngineUnavailable when none can serve, after stopping what it started. `on_fatal`
     hears (in the event loop) that the deployment cannot serve again: local workers keep failing to start."""
-    deployment = deployment or DeploymentConfig()
-    resolved = resolve_model(config.model)
+    deployment, serving = deployment or DeploymentConfig(), serving or ServingConfig()
+    resolved = resolve_model(config.model.model)
     tokenizer = load_tokenizer(resolved.hf_dir)
     hf_dir = resolved.hf_dir
-    defaults = sampling_defaults(hf_dir, config.generation_config)
+    defaults = sampling_defaults(hf_dir, serving.generation_config)
     if defaults.changed():
         logger.info(
             "requests that leave them out sample with %s's %s (--generation-config none: OpenAI's defaults)",
@@ -45,14 +46,14 @@ def build_engine(
         )
     expected = ExpectedModel(resolved.name, weights_fingerprint(hf_dir), tokenizer_fingerprint(hf_dir))
     settings = RouterSettings(
-        Routing(deployment.routing_policy),
-        deployment.routing_temperature,
-        deployment.worker_timeout,
-        deployment.worker_step_timeout,
-        deployment.worker_api_key or os.environ.get(WORKER_API_KEY_ENV, ""),
-        config.seed,
-        deployment.routing_prefix_weight,
-        deployment.max_local_prefill_tokens,
+        routing=Routing(deployment.routing_policy),
+        temperature=deployment.routing_temperature,
+        worker_timeout_s=deployment.worker_timeout,
+        worker_step_timeout_s=deployment.worker_step_timeout,
+        secret=deployment.worker_api_key or "",
+        seed=config.model.seed,
+        prefix_weight=deployment.routing_prefix_weight,
+        max_local_prefill_tokens=deployment.max_local_prefill_tokens,
     )
     roles = ["both"] * deployment.local_workers
     roles += ["prefill"] * deployment.num_prefill_workers + ["decode"] * deployment.num_decode_workers
@@ -72,5 +73,5 @@ def build_engine(
     except BaseException:
         router.shutdown()
         raise
-    name = config.served_model_name or resolved.name
+    name = serving.served_model_name or resolved.name
     return AsyncLLM(router, tokenizer, name, eos_token_ids(hf_dir, tokenizer), hf_dir, defaults)

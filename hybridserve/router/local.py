@@ -6,7 +6,6 @@ SIGTERM, and is started again by the router when it dies.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -23,8 +22,8 @@ class LocalWorkers:
         count = len(roles)
         if count < 1:
             raise ValueError(f"the number of local workers must be at least 1, got {count}")
-        threads = config.num_threads or max(1, (os.cpu_count() or 1) // count)
-        self.config = dataclasses.replace(config, num_threads=threads) if count > 1 else config
+        threads = config.parallel.num_threads or max(1, (os.cpu_count() or 1) // count)
+        self.config = config.replace(num_threads=threads) if count > 1 else config
         self.hf_dir = hf_dir
         self.model_name = model_name
         self.children = ChildProcesses("workers")
@@ -41,7 +40,7 @@ class LocalWorkers:
         """Starts (or starts again) the process of a local worker."""
         if link.process is not None:
             self.children.forget(link.process)
-        config = dataclasses.replace(self.config, role=link.role)
+        config = self.config.replace(role=link.role)
         args = (config, self.hf_dir, self.model_name, link.address)
         link.process = self.children.spawn(run_local_worker, args, f"hybridserve-engine-{link.name}")
 

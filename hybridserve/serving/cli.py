@@ -5,6 +5,7 @@ file through the same endpoints, offline: serving/run_batch.py)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -32,6 +33,9 @@ from hybridserve.serving.openai.body import DEFAULT_MAX_BODY_BYTES
 from hybridserve.serving.openai.responses.store import Retention
 
 logger = logging.getLogger("hybridserve.serve")
+WORKER_API_KEY_ENV = (
+    "HYBRIDSERVE_WORKER_API_KEY"  # the workers' shared secret: serve's --worker-api-key, worker's --api-key
+)
 
 
 def default_data_dir() -> Path:
@@ -211,10 +215,10 @@ def worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         config = engine_config(args)
     except InvalidParameter as exc:
         parser.error(f"--{exc.param.replace('_', '-')}: {exc}")
-    secret = args.api_key or os.environ.get("HYBRIDSERVE_WORKER_API_KEY", "")
+    secret = args.api_key or os.environ.get(WORKER_API_KEY_ENV, "")
     try:
         check_listen_address(args.listen, secret)
-        resolved = resolve_model(config.model)
+        resolved = resolve_model(config.model.model)
     except ValueError as exc:
         parser.error(str(exc))
     run_standalone_worker(config, resolved.hf_dir, resolved.name, args.listen, secret)
@@ -242,11 +246,13 @@ class ReadyServer(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    config, extension_config = model_configs(args, parser)
+    config, serving, extension_config = model_configs(args, parser)
     try:
         deployment = config_from(DeploymentConfig, args)
     except InvalidParameter as exc:
         parser.error(f"--{exc.param.replace('_', '-')}: {exc}")
+    if deployment.worker_api_key is None and os.environ.get(WORKER_API_KEY_ENV):
+        deployment = dataclasses.replace(deployment, worker_api_key=os.environ[WORKER_API_KEY_ENV])
     if args.max_request_body_bytes < 1:
         parser.error(f"--max-request-body-bytes: must be at least 1, got {args.max_request_body_bytes}")
     if args.num_postprocess_workers < 0:
@@ -275,7 +281,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         for server in servers:
             server.should_exit = True
 
-    engine = build_engine(config, deployment, on_fatal=give_up)
+    engine = build_engine(config, deployment, serving, on_fatal=give_up)
     pool = None
     stopped = False
 

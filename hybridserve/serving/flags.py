@@ -9,7 +9,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from hybridserve.config import EngineConfig, ExtensionConfig, env_bool
+from hybridserve.config import EngineConfig, ExtensionConfig, ServingConfig, env_bool
 from hybridserve.sampling_params import InvalidParameter
 from hybridserve.serving.parsers.reasoning import REASONING_PARSERS
 from hybridserve.serving.parsers.tools import TOOL_PARSERS
@@ -23,7 +23,11 @@ def add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
     a bool is --x / --no-x, a list a repeatable flag."""
     hints = typing.get_type_hints(config)
     for f in dataclasses.fields(config):
+        if f.metadata.get("part"):  # one of EngineConfig's parts: its fields are flags of their own
+            add_config_flags(parser, hints[f.name])
+            continue
         options = dict(f.metadata)
+        options.pop("bounds", None)  # checked by the config itself, naming the field
         if "help" in options:  # plain text: a % in it is a percent sign, not one of argparse's format fields
             options["help"] = options["help"].replace("%", "%%")
         positional = options.pop("positional", False)
@@ -68,13 +72,19 @@ def flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def config_from(config: type[C], args: argparse.Namespace) -> C:
-    """The dataclass `config` built from the arguments add_config_flags made for it."""
-    return config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config)})
+    """The dataclass `config` (its parts too) built from the arguments add_config_flags made for it."""
+    hints = typing.get_type_hints(config)
+    return config(
+        **{
+            f.name: config_from(hints[f.name], args) if f.metadata.get("part") else getattr(args, f.name)
+            for f in dataclasses.fields(config)
+        }
+    )
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags (EngineConfig, the MODEL positional among them), the extensions' and the output
-    parsers': what decides the answers a request gets."""
+    """The engine's flags (EngineConfig's parts, the MODEL positional among them), the frontend's model settings
+    (ServingConfig), the extensions' and the output parsers': what decides the answers a request gets."""
     parser.add_argument(
         "--reasoning-parser",
         default="auto",
@@ -89,6 +99,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "without tools, which get tools in the Hermes form; none: calls stay text)",
     )
     add_config_flags(parser, EngineConfig)
+    add_config_flags(parser, ServingConfig)
     add_config_flags(parser, ExtensionConfig)
 
 
@@ -101,9 +112,11 @@ def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def model_configs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[EngineConfig, ExtensionConfig]:
+def model_configs(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[EngineConfig, ServingConfig, ExtensionConfig]:
     """The configs add_model_flags made flags for; a value they reject is a usage error naming its flag."""
     try:
-        return config_from(EngineConfig, args), config_from(ExtensionConfig, args)
+        return config_from(EngineConfig, args), config_from(ServingConfig, args), config_from(ExtensionConfig, args)
     except InvalidParameter as exc:
         parser.error(f"--{exc.param.replace('_', '-')}: {exc}")

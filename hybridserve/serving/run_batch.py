@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridserve.config import DeploymentConfig, EngineConfig, ExtensionConfig
+from hybridserve.config import DeploymentConfig, EngineConfig, ExtensionConfig, ServingConfig
 from hybridserve.serving.app import default_parsers
 from hybridserve.serving.extensions import extension_for
 from hybridserve.serving.flags import add_log_level_flag, add_model_flags, model_configs
@@ -114,7 +114,7 @@ def add_parser(commands: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.command_parser
-    config, extension_config = model_configs(args, parser)
+    config, serving, extension_config = model_configs(args, parser)
     _check_usage(args, parser)
     validation = validate_input(args.input_file, BATCH_MODELS, None, threading.Event())
     if validation.num_errors:
@@ -132,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"hybridserve run-batch: error: {exc}; --resume cannot continue this file.", file=sys.stderr)
         return 1
     try:
-        return _run(args, config, extension_config, done, validation.total)
+        return _run(args, config, serving, extension_config, done, validation.total)
     finally:
         done.ids.close()
 
@@ -158,7 +158,12 @@ def _check_usage(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
 
 
 def _run(
-    args: argparse.Namespace, config: EngineConfig, extension_config: ExtensionConfig, done: Done, total: int
+    args: argparse.Namespace,
+    config: EngineConfig,
+    serving: ServingConfig,
+    extension_config: ExtensionConfig,
+    done: Done,
+    total: int,
 ) -> int:
     if len(done.ids):
         present = count_in_input(args.input_file, done.ids)
@@ -191,7 +196,7 @@ def _run(
         if pending:
             from hybridserve.router.deploy import build_engine  # heavy (torch): imported only to run
 
-            engine = build_engine(config, DeploymentConfig(worker_timeout=args.worker_timeout))
+            engine = build_engine(config, DeploymentConfig(worker_timeout=args.worker_timeout), serving)
             asyncio.run(_execute(engine, extension_config, args, results, progress, done, total))
     except EngineFailed as exc:
         return _stopped(str(exc), 1, progress, total, args)

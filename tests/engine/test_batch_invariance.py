@@ -101,7 +101,7 @@ def test_pytorch_ops_give_the_same_tokens(smollm2_dir, reference):
     """PyTorch ops only (as on CUDA, or with no C compiler) give the tokens the native kernels gave above."""
     prompts, alone = reference
     llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", native_kernels=False)
-    assert llm.core.runner.attention_kernels is None
+    assert llm.core.runner.backend.attention is None
     assert _run(llm, prompts) == alone
 
 
@@ -130,7 +130,7 @@ def test_bfloat16_prefill_in_chunks_or_after_a_prefix_hit_gives_the_same_tokens(
     except KernelUnavailable as exc:
         pytest.skip(str(exc))
     llm = LLM(str(smollm2_dir), dtype="bfloat16", device="cpu", enable_prefix_caching=False)
-    assert llm.core.runner.attention_kernels is not None and llm.core.runner.attention_kernels.prefills
+    assert llm.core.runner.backend.attention is not None and llm.core.runner.backend.attention.prefills
     prompts = _prompts(llm)
     whole = _run(llm, prompts)
     chunked = LLM(

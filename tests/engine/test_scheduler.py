@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from hybridserve.config import EngineConfig
+from hybridserve.config import SchedulerConfig
 from hybridserve.engine.cache.manager import KVCacheManager
 from hybridserve.engine.protocol import EngineCoreRequest, FinishReason, SchedulerStats
 from hybridserve.engine.request import Request, RequestStatus
@@ -27,7 +27,7 @@ class Harness:
     ) -> None:
         """`states`: a hybrid model's state slots, and as many snapshots."""
         self.kv = KVCacheManager(num_blocks, BS, prefix, num_state_slots=states, num_state_snapshots=states)
-        self.sched = Scheduler(EngineConfig(block_size=BS, enable_prefix_caching=prefix, **config), self.kv, "cpu")
+        self.sched = Scheduler(SchedulerConfig(**config), self.kv, "cpu")
         self.max_model_len = max_model_len
         self.scripts: dict[str, list[int]] = {}
 
@@ -102,8 +102,8 @@ def test_default_budget_spreads_a_burst_of_prompts_over_steps_on_cpu() -> None:
     assert [n for _, n, _ in first] == [40] * 12 + [32]
     second = h.step()
     assert [n for _, n, _ in second] == [1] * 12 + [8] + [40] * 7
-    assert EngineConfig().token_budget("cuda") == 2048
-    assert EngineConfig(max_num_batched_tokens=100).token_budget("cpu") == 100
+    assert SchedulerConfig().token_budget("cuda") == 2048
+    assert SchedulerConfig(max_num_batched_tokens=100).token_budget("cpu") == 100
 
 
 def test_long_prompt_is_chunked_by_the_token_budget() -> None:
@@ -255,7 +255,7 @@ def test_share_one_lets_a_running_prefill_take_the_whole_budget() -> None:
 @pytest.mark.parametrize("share", [0.0, -0.5, 1.5, float("nan")])
 def test_long_prefill_share_must_be_a_fraction(share: float) -> None:
     with pytest.raises(InvalidParameter, match=re.escape(f"long_prefill_share must be in (0, 1], got {share}")):
-        EngineConfig(long_prefill_share=share)
+        SchedulerConfig(long_prefill_share=share)
 
 
 def test_decodes_go_before_new_prefills_and_prefills_take_the_rest() -> None:

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from hybridserve.config import EngineConfig
+from hybridserve.config import EngineConfig, SchedulerConfig
 from hybridserve.engine.cache.manager import KVCacheManager
 from hybridserve.engine.drafting import NgramProposer
 from hybridserve.engine.fanout import expand
@@ -41,8 +41,8 @@ def test_config_parses_vllm_json():
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 2}'
     )
     assert config == SpeculativeConfig("ngram", 3, prompt_lookup_max=5, prompt_lookup_min=2)
-    as_mapping = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})  # type: ignore[arg-type]
-    assert as_mapping.speculative_config == SpeculativeConfig("ngram", 2)
+    as_mapping = EngineConfig.of(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert as_mapping.scheduler.speculative_config == SpeculativeConfig("ngram", 2)
     text = '{"method": "suffix", "num_speculative_tokens": 8, "weight_read_tokens": 12.5}'
     assert parse_speculative_config(text) == SpeculativeConfig("suffix", 8, weight_read_tokens=12.5)
 
@@ -71,7 +71,7 @@ def test_config_errors_name_the_key_and_value(text, named):
 
 def test_serve_flag(capsys):
     args, parser = parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
-    assert model_configs(args, parser)[0].speculative_config == SpeculativeConfig("ngram", 2)
+    assert model_configs(args, parser)[0].scheduler.speculative_config == SpeculativeConfig("ngram", 2)
     with pytest.raises(SystemExit):
         parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}'])
     err = capsys.readouterr().err
@@ -126,7 +126,7 @@ REPEATING = [5, 6, 7, 8, 5, 6, 7]  # with the first sampled token 8, "5 6 7 8" i
 
 def _scheduler(num_blocks: int = 64, **config) -> tuple[Scheduler, KVCacheManager]:
     kv = KVCacheManager(num_blocks, 4, True)
-    return Scheduler(EngineConfig(block_size=4, speculative_config=NGRAM, **config), kv, "cpu"), kv
+    return Scheduler(SchedulerConfig(speculative_config=NGRAM, **config), kv, "cpu"), kv
 
 
 def _decoding(sched: Scheduler, **params) -> Request:
@@ -206,7 +206,7 @@ def test_scheduler_gives_grammar_requests_no_drafts():
 def _decoding_batch(size: int, reads: float, accepted: int, rejections: int) -> Scheduler:
     """`size` requests decoding side by side, each with drafts judged `accepted` + `rejections` times so far,
     under a step cost of `reads` tokens for the weight read."""
-    config = EngineConfig(block_size=4, speculative_config=SpeculativeConfig("ngram", 4))
+    config = SchedulerConfig(speculative_config=SpeculativeConfig("ngram", 4))
     sched = Scheduler(config, KVCacheManager(512, 4, True), "cpu", reads)
     reqs = [Request(EngineCoreRequest(f"r{i}", list(REPEATING), GREEDY, [0], 0.0), 1024) for i in range(size)]
     for req in reqs:

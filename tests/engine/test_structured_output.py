@@ -244,7 +244,7 @@ def test_through_the_worker_process(smollm2_dir):
         last = [out async for out in engine.generate(prompt, _params(PERSON_SPEC), "good")][-1].output
         return last.finish_reason, last.text
 
-    engine = build_engine(EngineConfig(model=str(smollm2_dir), dtype="float32", device="cpu"))
+    engine = build_engine(EngineConfig.of(model=str(smollm2_dir), dtype="float32", device="cpu"))
     try:
         finish_reason, text = asyncio.run(main(engine))
     finally:

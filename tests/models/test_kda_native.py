@@ -72,7 +72,9 @@ def test_runner_uses_the_kernel_on_cpu_and_falls_back_without_a_compiler(
     kimi_linear_dir, monkeypatch, tmp_path, caplog
 ):
     def runner(**kwargs: object) -> ModelRunner:
-        config = EngineConfig(dtype="float32", device="cpu", block_size=4, num_kv_blocks=8, num_state_slots=1, **kwargs)
+        config = EngineConfig.of(
+            dtype="float32", device="cpu", block_size=4, num_kv_blocks=8, num_state_slots=1, **kwargs
+        )
         return ModelRunner(config, kimi_linear_dir)
 
     def fused(r: ModelRunner) -> set[str]:

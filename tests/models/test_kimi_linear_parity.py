@@ -17,7 +17,7 @@ TOLERANCE = 2e-4
 
 
 def _runner(hf_dir, native_kernels: bool = True) -> ModelRunner:
-    config = EngineConfig(
+    config = EngineConfig.of(
         dtype="float32",
         device="cpu",
         block_size=4,
@@ -43,7 +43,7 @@ def hf_kimi(kimi_linear_dir):
 def runner(kimi_linear_dir, request) -> ModelRunner:
     """Both ways the engine computes a layer on CPU; the PyTorch-ops one is also what CUDA runs."""
     runner = _runner(kimi_linear_dir, request.param)
-    assert (runner.state_kernel is not None) == request.param
+    assert (runner.backend.state_kernel is not None) == request.param
     assert (runner.model.model.norm.native is not None) == request.param
     return runner
 

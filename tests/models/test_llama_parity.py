@@ -24,11 +24,11 @@ BLOCK = 4
 @pytest.fixture(scope="module", params=[True, False], ids=["native-kernels", "pytorch-ops"])
 def runner(smollm2_dir, request) -> ModelRunner:
     """Both ways the engine computes a layer on CPU; the PyTorch-ops one is also what CUDA runs."""
-    config = EngineConfig(
+    config = EngineConfig.of(
         dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256, native_kernels=request.param
     )
     runner = ModelRunner(config, smollm2_dir)
-    assert (runner.attention_kernels is not None) == request.param
+    assert (runner.backend.attention is not None) == request.param
     # native: the default model's projections and head sum their weights from its GGUF blocks
     assert _block_matmuls(runner) == ({"Q4_1": 30 * 4, "Q8_0": 1} if request.param else {})
     return runner
@@ -67,9 +67,9 @@ def test_logits_match_transformers_at_every_position(runner, hf_model, llm, prom
 def test_gguf_blocks_give_the_float32_weights_logits_bitwise(runner, smollm2_dir, llm):
     """Summing the matmuls from their GGUF blocks changes where the weights come from, not one bit of the logits
     (the head's full logits included): prefill and decode against the same engine reading float32 copies."""
-    if runner.attention_kernels is None:
+    if runner.backend.attention is None:
         pytest.skip("GGUF blocks are read by the native kernels only")
-    config = EngineConfig(dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256, gguf_blocks=False)
+    config = EngineConfig.of(dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256, gguf_blocks=False)
     floats = ModelRunner(config, smollm2_dir)
     assert _block_matmuls(floats) == {}
     ids = _chat_ids(llm.tokenizer, PROMPTS[2])

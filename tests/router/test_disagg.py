@@ -72,7 +72,7 @@ def _aggregated(model: Path) -> list:
 
 
 def _disaggregated(model: Path, staging_min_run: float) -> tuple[list, dict]:
-    config = EngineConfig(model=str(model), **ENGINE, kv_staging_min_run=staging_min_run)
+    config = EngineConfig.of(model=str(model), **ENGINE, kv_staging_min_run=staging_min_run)
     engine = build_engine(config, DISAGGREGATED)
 
     async def go() -> tuple[list, dict]:

@@ -128,7 +128,7 @@ def run_on(kimi_linear_dir: Path) -> Iterator[Callable[[str, Scenario], None]]:
 
     def run(policy: str, scenario: Scenario) -> None:
         if policy not in engines:
-            config = EngineConfig(model=str(kimi_linear_dir), **ENGINE, kv_transfer_failure=policy)
+            config = EngineConfig.of(model=str(kimi_linear_dir), **ENGINE, kv_transfer_failure=policy)
             engines[policy] = build_engine(config, DEPLOYMENT)
         loop.run_until_complete(asyncio.wait_for(scenario(engines[policy]), 4 * TIMEOUT_S))
 
@@ -232,9 +232,9 @@ def test_incompatible_peer_fails_only_its_requests(kimi_linear_dir: Path) -> Non
     """A prefill worker whose KV blocks are twice as long: the decode worker refuses it at first contact,
     naming the difference, remembers that, and fails only the requests that would read from it."""
     base = {"model": str(kimi_linear_dir), "kv_cache_memory_bytes": 16 * 1024**2, "num_threads": 1}
-    good = EngineCore(EngineConfig(**base, dtype="float32", role="prefill"), kimi_linear_dir)
-    bad = EngineCore(EngineConfig(**base, dtype="float32", block_size=32, role="prefill"), kimi_linear_dir)
-    decode = EngineCore(EngineConfig(**base, dtype="float32", role="decode"), kimi_linear_dir)
+    good = EngineCore(EngineConfig.of(**base, dtype="float32", role="prefill"), kimi_linear_dir)
+    bad = EngineCore(EngineConfig.of(**base, dtype="float32", block_size=32, role="prefill"), kimi_linear_dir)
+    decode = EngineCore(EngineConfig.of(**base, dtype="float32", role="decode"), kimi_linear_dir)
     assert good.connector and bad.connector and decode.connector
     decode.connector.add_peer(good.connector.endpoint)
     decode.connector.add_peer(bad.connector.endpoint)
@@ -269,7 +269,9 @@ def test_incompatible_peer_fails_only_its_requests(kimi_linear_dir: Path) -> Non
 def test_a_held_request_aborted_by_its_frontend_is_let_go_at_once(kimi_linear_dir: Path) -> None:
     """The client left while its prefill finished (or no decode worker was up): the frontend aborts the held copy
     on the prefill worker, which frees it without waiting for the lease and tells nobody."""
-    config = EngineConfig(model=str(kimi_linear_dir), kv_cache_memory_bytes=16 * 1024**2, num_threads=1, role="prefill")
+    config = EngineConfig.of(
+        model=str(kimi_linear_dir), kv_cache_memory_bytes=16 * 1024**2, num_threads=1, role="prefill"
+    )
     core = EngineCore(config, kimi_linear_dir)
     assert core.connector is not None
     free = core.kv.pool.num_free
@@ -289,8 +291,8 @@ def test_a_request_behind_a_held_one_waits_for_its_state_slot(kimi_linear_dir: P
     """A prefill worker with one state slot holds a prefilled request until its decode worker reads it; the next
     request waits for that slot (it used to fail at once, told the cache was too small for it), then prefills."""
     base = {"model": str(kimi_linear_dir), "kv_cache_memory_bytes": 16 * 1024**2, "num_threads": 1}
-    prefill = EngineCore(EngineConfig(**base, dtype="float32", max_num_seqs=1, role="prefill"), kimi_linear_dir)
-    decode = EngineCore(EngineConfig(**base, dtype="float32", role="decode"), kimi_linear_dir)
+    prefill = EngineCore(EngineConfig.of(**base, dtype="float32", max_num_seqs=1, role="prefill"), kimi_linear_dir)
+    decode = EngineCore(EngineConfig.of(**base, dtype="float32", role="decode"), kimi_linear_dir)
     assert prefill.connector and decode.connector
     decode.connector.add_peer(prefill.connector.endpoint)
     prompt = list(range(10, 60))

@@ -120,5 +120,5 @@ def serve_with_engine(monkeypatch, build) -> None:
     import types
 
     module = types.ModuleType("hybridserve.router.deploy")
-    module.build_engine = lambda config, deployment=None, on_fatal=None: build(config)
+    module.build_engine = lambda config, deployment=None, serving=None, on_fatal=None: build(config)
     monkeypatch.setitem(sys.modules, "hybridserve.router.deploy", module)

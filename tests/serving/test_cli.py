@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from hybridserve.config import EngineConfig, ExtensionConfig, parse_bytes
+from hybridserve.config import EngineConfig, ExtensionConfig, ServingConfig, parse_bytes
 from hybridserve.serving import cli
 from tests.serving.helpers import serve_with_engine
 
@@ -27,6 +27,13 @@ def test_parse_bytes(text, value):
 def test_parse_bytes_rejects(text):
     with pytest.raises(Exception, match="expected a size"):
         parse_bytes(text)
+
+
+@pytest.fixture(autouse=True)
+def _no_prefault_from_the_environment(monkeypatch):
+    """tests/conftest.py sets $HYBRIDSERVE_KV_CACHE_PREFAULT=0 for the servers tests start; the flag's default here
+    is the config's own."""
+    monkeypatch.delenv("HYBRIDSERVE_KV_CACHE_PREFAULT", raising=False)
 
 
 def serve_parser():
@@ -77,9 +84,9 @@ def test_flags_map_to_engine_config():
             "7",
         ]
     )
-    assert cli.engine_config(args) == EngineConfig(
+    assert cli.config_from(ServingConfig, args) == ServingConfig(served_model_name="m")
+    assert cli.engine_config(args) == EngineConfig.of(
         model="model.gguf",
-        served_model_name="m",
         dtype="float16",
         device="cpu",
         max_model_len=4096,
@@ -98,7 +105,8 @@ def test_flags_map_to_engine_config():
 
 def test_every_engine_config_field_has_one_flag_with_its_default():
     _, serve = serve_parser()
-    fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    parts = [type(getattr(EngineConfig(), f.name)) for f in dataclasses.fields(EngineConfig)] + [ServingConfig]
+    fields = {f.name: f.default for part in parts for f in dataclasses.fields(part)}
     actions = [action for action in serve._actions if action.dest in fields]
     assert sorted(action.dest for action in actions) == sorted(fields)
     assert {action.dest: action.default for action in actions} == fields
@@ -106,7 +114,7 @@ def test_every_engine_config_field_has_one_flag_with_its_default():
 
 def test_bool_fields_are_flag_pairs_and_a_size_is_a_usage_error(capsys):
     args = cli.build_parser().parse_args(["serve", "--no-native-kernels", "--kv-cache-memory-bytes", "1.5G"])
-    assert cli.engine_config(args) == EngineConfig(native_kernels=False, kv_cache_memory_bytes=3 * 1024**3 // 2)
+    assert cli.engine_config(args) == EngineConfig.of(native_kernels=False, kv_cache_memory_bytes=3 * 1024**3 // 2)
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--kv-cache-memory-bytes", "2 parsecs"])
     assert (
@@ -141,7 +149,7 @@ def test_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tokenizer):
     monkeypatch.setattr(cli.ReadyServer, "run", run)
     cli.main(["serve", "--port", "9123", "--api-key", "k", "--max-num-seqs", "4"])
     assert seen == {
-        "config": dataclasses.replace(EngineConfig(), max_num_seqs=4),
+        "config": EngineConfig.of(max_num_seqs=4),
         "server": ("127.0.0.1", 9123, "smollm2"),
         "shutdown": True,
     }

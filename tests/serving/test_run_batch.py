@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from hybridserve.config import EngineConfig
+from hybridserve.config import EngineConfig, ServingConfig
 from hybridserve.serving import cli
 from hybridserve.serving.app import build_app
 
@@ -104,7 +104,7 @@ def test_every_line_runs_and_answers_what_its_http_route_answers(run, tokenizer,
     write_jsonl(tmp_path / "in.jsonl", inputs)
     engine = Engine(tokenizer, max_model_len=64)
     assert run(engine, "--max-model-len", "64") == 0
-    assert engine.config == dataclasses.replace(EngineConfig(), max_model_len=64)
+    assert engine.config == EngineConfig.of(max_model_len=64, kv_cache_prefault=False)  # tests/conftest.py's
     out = results(tmp_path / "out.jsonl")
     assert sorted(out) == sorted(x["custom_id"] for x in inputs)
     with TestClient(build_app(FakeEngine(tokenizer, [PARIS], max_model_len=64), None)) as client:
@@ -249,10 +249,12 @@ def test_sigterm_keeps_the_results_so_far(run, tokenizer, tmp_path, caplog):
     assert sorted(results(output)) == [f"item-{i}" for i in range(6)]
 
 
-def test_every_engine_config_field_has_a_run_batch_flag():
+def test_every_engine_config_field_has_a_run_batch_flag(monkeypatch):
+    monkeypatch.delenv("HYBRIDSERVE_KV_CACHE_PREFAULT", raising=False)  # tests/conftest.py's, for started servers
     parser = cli.build_parser()
     run_batch = parser._subparsers._group_actions[0].choices["run-batch"]
-    fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    parts = [type(getattr(EngineConfig(), f.name)) for f in dataclasses.fields(EngineConfig)] + [ServingConfig]
+    fields = {f.name: f.default for part in parts for f in dataclasses.fields(part)}
     assert {a.dest: a.default for a in run_batch._actions if a.dest in fields} == fields
     assert all(action.help for action in run_batch._actions)
 
@@ -269,7 +271,7 @@ def test_the_real_model_answers_as_its_http_endpoints_do(tmp_path, smollm2_dir):
     files = ["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
     assert cli.main(["run-batch", *files, *flags]) == 0
     out = results(tmp_path / "out.jsonl")
-    config = EngineConfig(max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, enable_prefix_caching=False)
+    config = EngineConfig.of(max_model_len=64, kv_cache_memory_bytes=32 * 1024**2, enable_prefix_caching=False)
     engine = build_engine(config)
     try:
         with TestClient(build_app(engine, None)) as client:

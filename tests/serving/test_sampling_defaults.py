@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hybridserve.config import EngineConfig
+from hybridserve.config import ServingConfig
 from hybridserve.engine.async_llm import sampling_defaults
 from hybridserve.sampling_params import SamplingDefaults
 from hybridserve.serving import cli
@@ -101,9 +101,9 @@ def test_the_embedded_model_recommends_nothing(smollm2_dir):
 
 def test_generation_config_flag(capsys):
     parser = cli.build_parser()
-    assert cli.engine_config(parser.parse_args(["serve"])).generation_config == "auto"
+    assert cli.config_from(ServingConfig, parser.parse_args(["serve"])).generation_config == "auto"
     args = parser.parse_args(["serve", "--generation-config", "none"])
-    assert cli.engine_config(args) == EngineConfig(generation_config="none")
+    assert cli.config_from(ServingConfig, args) == ServingConfig(generation_config="none")
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--generation-config", "vllm"])
     assert "argument --generation-config: invalid choice: 'vllm'" in capsys.readouterr().err

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
+from hybridserve.config import TransferConfig
+from hybridserve.engine.cache.allocation import zeroed
 from hybridserve.engine.kv_transfer.agent import Read, TransferAgent, TransferError
 from hybridserve.engine.kv_transfer.arena import StagingArena
 from hybridserve.engine.kv_transfer.layout import (
@@ -34,26 +36,12 @@ from hybridserve.engine.kv_transfer.layout import (
 )
 from hybridserve.engine.kv_transfer.leases import Leases
 from hybridserve.engine.kv_transfer.messages import TransferEndpoint, TransferSource
-from hybridserve.engine.model_runner import zeroed
 from hybridserve.engine.protocol import EngineCoreOutput, FinishReason
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.models.cache_specs import CacheLayout
 
 logger = logging.getLogger("hybridserve.kv_transfer")
-
-FAILURE_POLICIES = ("fail", "recompute")
-
-
-@dataclass(frozen=True)
-class TransferSettings:
-    role: str  # prefill or decode
-    lease_s: float  # prefill side: hold a prefilled request this long without news from its reader
-    timeout_s: float  # decode side: a read not done by then is cancelled
-    max_inflight_bytes: int  # decode side: bytes of reads in flight at once (one read is always allowed)
-    failure_policy: str  # fail or recompute
-    staging_bytes: int = 0  # the staging arena's size; 0: no arena, every read goes straight between the blocks
-    staging_min_run: float = 0.0  # stage a request whose blocks lie in runs shorter than this on average
 
 
 @dataclass
@@ -85,7 +73,7 @@ class TransferCounters:
 class KVConnector:
     def __init__(
         self,
-        settings: TransferSettings,
+        settings: TransferConfig,
         layout: CacheLayout,
         caches: list[object],
         device: torch.device,
@@ -100,8 +88,8 @@ class KVConnector:
         memory = "VRAM" if device.type == "cuda" else "DRAM"
         name = f"hybridserve-{settings.role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.arena: StagingArena | None = None
-        if settings.staging_bytes:
-            self.arena = StagingArena(zeroed((settings.staging_bytes,), torch.uint8, device))
+        if settings.kv_staging_bytes:
+            self.arena = StagingArena(zeroed((settings.kv_staging_bytes,), torch.uint8, device))
             tensors.append(self.arena.tensor)
         self.agent = TransferAgent(name, tensors, memory)
         self.endpoint = TransferEndpoint(
@@ -111,11 +99,11 @@ class KVConnector:
             layout.block_size,
             memory,
             layouts,
-            settings.lease_s,
+            settings.kv_lease,
             arena=self.arena.address if self.arena is not None else 0,
         )
         self._kv_block_bytes = kv_bytes_per_block(layouts)
-        self.leases = Leases(settings.lease_s)
+        self.leases = Leases(settings.kv_lease)
         self.peers: dict[str, TransferEndpoint] = {}
         self.counters = TransferCounters()
         self._pulls: dict[str, _Pull] = {}  # reads in flight, by request id
@@ -163,7 +151,7 @@ class KVConnector:
 
     def _has_room(self, req: Request) -> bool:
         inflight = sum(self._bytes(p.request) for p in self._pulls.values())
-        return not self._pulls or inflight + self._bytes(req) <= self.settings.max_inflight_bytes
+        return not self._pulls or inflight + self._bytes(req) <= self.settings.kv_transfer_max_bytes
 
     def start(self, requests: list[Request], now: float) -> list[EngineCoreOutput]:
         """Starts the reads of requests the scheduler just admitted into their blocks and slots."""
@@ -181,7 +169,7 @@ class KVConnector:
             ours = self._stage(rid, blocks[1])
             staged = (theirs, ours.data_ptr() if ours is not None else None)
             parts = read_descriptors(self.endpoint.tensors, peer.tensors, blocks, slots, staged)
-            pull = _Pull(req, now, now + self.settings.timeout_s, {}, {p: d.nbytes for p, d in parts.items()})
+            pull = _Pull(req, now, now + self.settings.kv_transfer_timeout, {}, {p: d.nbytes for p, d in parts.items()})
             pull.staged = ours is not None
             try:
                 for part, d in parts.items():
@@ -197,7 +185,7 @@ class KVConnector:
     def _stage(self, rid: str, blocks: list[int]) -> torch.Tensor | None:
         """A staging span for the request's KV when its blocks here are fragmented and the arena has room."""
         arena = self.arena
-        if arena is None or not blocks or mean_run(blocks) >= self.settings.staging_min_run:
+        if arena is None or not blocks or mean_run(blocks) >= self.settings.kv_staging_min_run:
             return None
         if arena.take(rid, len(blocks) * self._kv_block_bytes) is None:
             return None
@@ -221,7 +209,7 @@ class KVConnector:
         assert source is not None
         self.counters.pulls_failed += 1
         self.agent.notify(source.agent, b"drop:" + source.handle.encode())
-        if self.settings.failure_policy == "recompute":
+        if self.settings.kv_transfer_failure == "recompute":
             logger.warning("request %s: KV transfer failed (%s); prefilling it here instead", req.request_id, why)
             self.scheduler.prefill_locally(req)
             return []
@@ -277,7 +265,7 @@ class KVConnector:
                 self.scheduler.landed(req)
             elif now > pull.deadline:
                 del self._pulls[rid]
-                why = f"no data from it within {self.settings.timeout_s:g}s (deadline)"
+                why = f"no data from it within {self.settings.kv_transfer_timeout:g}s (deadline)"
                 if self._cancel_all(pull):
                     self._unstage(rid)
                     outputs += self._failed(req, why)
