@@ -39,7 +39,7 @@ class SpeculativeConfig:
     """Speculative decoding: each decoding request proposes up to `num_speculative_tokens` tokens from its own
     tokens (ngram: prompt lookup; suffix: suffix trees, engine/suffix_drafting.py) and the model verifies them
     in the same step. How many a request may propose in a step depends on the step and on how often its drafts
-    were accepted (scheduler.py, `Scheduler._draft_lengths`)."""
+    were accepted (drafting.py, `draft_lengths`)."""
 
     method: str
     num_speculative_tokens: int

@@ -46,6 +46,42 @@ def unseen(prompt: Sequence[int], output: Sequence[int], seen: int) -> Sequence[
     return output[seen - len(prompt) :]
 
 
+# Draft tokens a request's verifications must have judged before its acceptance alone sizes its drafts.
+EXPLORE = 4
+
+
+def draft_lengths(
+    judged: Sequence[tuple[int, int]], num_speculative_tokens: int, weight_read_tokens: float
+) -> list[int]:
+    """How many tokens each request decoding this step may draft, from its drafts' (accepted tokens, rejections)
+    so far, sized so the step yields the most tokens for its cost. A step of N tokens costs about W + N tokens'
+    compute (W = weight_read_tokens: the weights are read once, whatever N), and a request's k-th draft token is
+    accepted with probability a^k, `a` its acceptance so far, (accepted + 1) / (judged + 2). Draft tokens are taken
+    most probable first while each raises the step's expected tokens per cost, p > Y / (W + N) with Y the tokens
+    expected so far: a lone request drafts deep, since its step costs about W anyway; a wide batch drafts only
+    tokens nearly sure to be accepted; a request whose drafts keep failing stops drafting. Until its verifications
+    have judged EXPLORE tokens, a request drafts at least one: its acceptance is learnt."""
+    candidates: list[tuple[float, int]] = []  # (probability of acceptance, the request's index)
+    for i, (accepted, rejections) in enumerate(judged):
+        rate, p = (accepted + 1) / (accepted + rejections + 2), 1.0
+        for _ in range(num_speculative_tokens):
+            p *= rate
+            candidates.append((p, i))
+    candidates.sort(key=lambda c: -c[0])  # stable: equals keep the batch order
+    counts = [0] * len(judged)
+    expected = tokens = float(len(judged))
+    for p, i in candidates:
+        if p * (weight_read_tokens + tokens) <= expected:
+            break
+        counts[i] += 1
+        expected += p
+        tokens += 1
+    for i, (accepted, rejections) in enumerate(judged):
+        if accepted + rejections < EXPLORE:
+            counts[i] = max(counts[i], 1)
+    return counts
+
+
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.num_speculative_tokens = config.num_speculative_tokens

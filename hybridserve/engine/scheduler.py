@@ -27,7 +27,7 @@ it runs like any other request, starting with the first token the prefill worker
 
 Speculative decoding (`--speculative-config`): a decoding request also takes the tokens its proposer drafts
 (drafting.py) after its last known token, within the step's budget, its output limit and the draft length the
-step's cost allows it (`_draft_lengths`), so the runner scores them in the same step; a draft never costs a
+step's cost allows it (`drafting.draft_lengths`), so the runner scores them in the same step; a draft never costs a
 preemption (the request then decodes without one). Update keeps
 the tokens the sampler accepted and moves the request's computed tokens back past the rejected ones: their KV
 slots are overwritten later, and no block holding them becomes findable (blocks are findable only up to the
@@ -40,19 +40,30 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from hybridserve.config import SchedulerConfig
 from hybridserve.engine.cache.manager import KVCacheManager
-from hybridserve.engine.drafting import NgramProposer, Proposer
+from hybridserve.engine.drafting import NgramProposer, Proposer, draft_lengths
 from hybridserve.engine.kv_transfer.messages import TransferSource
 from hybridserve.engine.plan import NewRequest, ScheduledRequest, SchedulerOutput
 from hybridserve.engine.protocol import EngineCoreOutput, FinishReason, SchedulerStats, TokenLogprobs
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.sampler import SampleResult
+from hybridserve.engine.step_budget import StepBudget
 from hybridserve.engine.suffix_drafting import SuffixProposer
 
-# Draft tokens a request's verifications must have judged before its acceptance alone sizes its drafts.
-_EXPLORE = 4
+
+@dataclass
+class _Step:
+    """The plan being written: its budget, the requests and token counts scheduled so far (`capped`: the entries
+    that took the prefill share and may take more), drafts by request, and the requests the runner meets."""
+
+    budget: StepBudget
+    new: list[NewRequest]
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    capped: list[int] = field(default_factory=list)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -101,24 +112,42 @@ class Scheduler:
         return bool(self.waiting or self.running or self.pulling)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
-        new, self._introduced = self._introduced, []
-        capped: list[int] = []  # the entries of `scheduled` that took the prefill share, which may get more
-        drafts: dict[str, list[int]] = {}  # speculative decoding: tokens proposed after a request's last one
-        lengths = {} if self.proposer is None else self._draft_lengths(self.proposer)
         # Work less urgent than the most urgent present (batch beside online) shares a smaller budget, so the
         # steps that online requests wait for and run in stay short.
         urgent = min((r.priority for r in (*self.running, *self.waiting)), default=0)
-        background = self.batch_step_tokens
-        preempted = False
-        i = 0
+        step = _Step(StepBudget(self.max_num_batched_tokens, urgent, self.batch_step_tokens), self._introduced)
+        self._introduced = []
+        preempted = self._schedule_running(step)
+        # Admitting new work right after a preemption would only thrash the cache. A first pass admits only
+        # prompts shorter than every prefill as urgent in the plan: they start beside it, each with its share.
+        # The chunks the share cut short then take what is left, and only then does a second pass admit the
+        # rest in turn, each taking all it can: a burst of prompts alike in length is prefilled one after
+        # another, each first token sooner, not all of them a share a step, finishing late together.
+        for shorter_only in (True, False):
+            if not preempted:
+                self._admit_waiting(step, shorter_only)
+            # Leftover budget goes back to the chunks cut short, the less urgent ones within what is left of their
+            # share.
+            budget = step.budget
+            budget.tokens = self._top_up(step.scheduled, step.capped, budget.tokens, urgent + 1)
+            room = budget.background_room
+            budget.spend_background(room - self._top_up(step.scheduled, step.capped, room))
+        plan = [self._scheduled(req, n, step.drafts.get(req.request_id)) for req, n in step.scheduled]
+        ops = self.kv.take_ops()
+        finished, self.finished_ids = self.finished_ids, []
+        return SchedulerOutput(plan, step.new, finished, ops.zero, ops.restore, ops.save)
+
+    def _schedule_running(self, step: _Step) -> bool:
+        """The running requests' next tokens (a decode, with its draft, or a prefill chunk), most urgent first;
+        preempts the least urgent where blocks run out. Returns whether it preempted."""
+        lengths = {} if self.proposer is None else self._draft_lengths(self.proposer)
+        budget, preempted, i = step.budget, False, 0
         while i < len(self.running):
             req = self.running[i]
-            if not (budget := self._top_up(scheduled, capped, budget, req.priority)):
+            budget.tokens = self._top_up(step.scheduled, step.capped, budget.tokens, req.priority)
+            if not budget.tokens:
                 break
-            limit = budget if background is None or req.priority == urgent else min(budget, background)
-            if not limit:
+            if not (limit := budget.limit(req.priority)):
                 i += 1  # less urgent work, over its share this step
                 continue
             n = self._chunk(req, req.num_computed_tokens, min(limit, self.prefill_share))
@@ -135,64 +164,48 @@ class Scheduler:
                     break
             else:
                 if draft:
-                    drafts[req.request_id] = draft
+                    step.drafts[req.request_id] = draft
                     n += len(draft)
                 elif n == self.prefill_share:
-                    capped.append(len(scheduled))
-                scheduled.append((req, n))
-                budget -= n
-                if background is not None and req.priority > urgent:
-                    background -= n
+                    step.capped.append(len(step.scheduled))
+                step.scheduled.append((req, n))
+                budget.spend(n, req.priority)
                 i += 1
-        # Admitting new work right after a preemption would only thrash the cache. A first pass admits only
-        # prompts shorter than every prefill as urgent in the plan: they start beside it, each with its share.
-        # The chunks the share cut short then take what is left, and only then does a second pass admit the
-        # rest in turn, each taking all it can: a burst of prompts alike in length is prefilled one after
-        # another, each first token sooner, not all of them a share a step, finishing late together.
-        for shorter_only in (True, False):
-            while self.waiting and len(self.running) + len(self.pulling) < self.max_num_seqs and not preempted:
-                req = self.waiting[0]
-                if not (budget := self._top_up(scheduled, capped, budget, req.priority)):
+        return preempted
+
+    def _admit_waiting(self, step: _Step, shorter_only: bool) -> None:
+        """Waiting requests in queue order while budget, sequence slots and blocks last; with `shorter_only`, only
+        while each is shorter than every prefill in the plan, and each within the prefill share."""
+        budget = step.budget
+        while self.waiting and len(self.running) + len(self.pulling) < self.max_num_seqs:
+            req = self.waiting[0]
+            budget.tokens = self._top_up(step.scheduled, step.capped, budget.tokens, req.priority)
+            if not budget.tokens:
+                break
+            if req.pull_from is not None and req.status is RequestStatus.WAITING:
+                if not self._admit_pull(req):
                     break
-                if req.pull_from is not None and req.status is RequestStatus.WAITING:
-                    if not self._admit_pull(req):
-                        break
-                    continue
-                limit = budget if background is None or req.priority == urgent else min(budget, background)
-                if not limit:
-                    break  # the queue is in priority order: the rest is as little urgent
-                if shorter_only and not _shortest(req, scheduled):
-                    break
-                cached = self.kv.find_cached_prefix(req)
-                num_cached = len(cached) * self.kv.block_size
-                n = self._chunk(req, num_cached, min(limit, self.prefill_share) if shorter_only else limit)
-                if not self.kv.allocate(req, n, cached):
-                    break
-                self.waiting.popleft()
-                if req.status is RequestStatus.WAITING:  # first admission, not a resumption
-                    req.num_cached_tokens = num_cached
-                    new.append(self._introduce(req))
-                req.move_to(RequestStatus.RUNNING)
-                req.num_computed_tokens = num_cached
-                self._run(req)
-                if shorter_only and n == self.prefill_share:
-                    capped.append(len(scheduled))
-                scheduled.append((req, n))
-                budget -= n
-                if background is not None and req.priority > urgent:
-                    background -= n
-            # Leftover budget goes back to the chunks cut short, the less urgent ones within what is left of their
-            # share.
-            budget = self._top_up(scheduled, capped, budget, urgent + 1)
-            room = budget if background is None else min(budget, background)
-            spent = room - self._top_up(scheduled, capped, room)
-            budget -= spent
-            if background is not None:
-                background -= spent
-        plan = [self._scheduled(req, n, drafts.get(req.request_id)) for req, n in scheduled]
-        ops = self.kv.take_ops()
-        finished, self.finished_ids = self.finished_ids, []
-        return SchedulerOutput(plan, new, finished, ops.zero, ops.restore, ops.save)
+                continue
+            if not (limit := budget.limit(req.priority)):
+                break  # the queue is in priority order: the rest is as little urgent
+            if shorter_only and not _shortest(req, step.scheduled):
+                break
+            cached = self.kv.find_cached_prefix(req)
+            num_cached = len(cached) * self.kv.block_size
+            n = self._chunk(req, num_cached, min(limit, self.prefill_share) if shorter_only else limit)
+            if not self.kv.allocate(req, n, cached):
+                break
+            self.waiting.popleft()
+            if req.status is RequestStatus.WAITING:  # first admission, not a resumption
+                req.num_cached_tokens = num_cached
+                step.new.append(self._introduce(req))
+            req.move_to(RequestStatus.RUNNING)
+            req.num_computed_tokens = num_cached
+            self._run(req)
+            if shorter_only and n == self.prefill_share:
+                step.capped.append(len(step.scheduled))
+            step.scheduled.append((req, n))
+            budget.spend(n, req.priority)
 
     def _introduce(self, req: Request) -> NewRequest:
         return NewRequest(
@@ -259,34 +272,10 @@ class Scheduler:
         return self.kv.snapshots is None or req.num_tokens % self.kv.block_size != 0
 
     def _draft_lengths(self, proposer: Proposer) -> dict[str, int]:
-        """How many tokens each request that may draft may propose this step, sized so the step yields the most
-        tokens for its cost. A step of N tokens costs about W + N tokens' compute (W = weight_read_tokens: the
-        weights are read once, whatever N), and a request's k-th draft token is accepted with probability a^k,
-        `a` its acceptance so far, (accepted + 1) / (judged + 2). Draft tokens are taken most probable first
-        while each raises the step's expected tokens per cost, p > Y / (W + N) with Y the tokens expected so
-        far: a lone request drafts deep, since its step costs about W anyway; a wide batch drafts only tokens
-        nearly sure to be accepted; a request whose drafts keep failing stops drafting. Until its
-        verifications have judged _EXPLORE tokens, a request drafts at least one: its acceptance is learnt."""
+        """How many tokens each request that may draft may propose this step (drafting.draft_lengths)."""
         decoding = [r for r in self.running if self._may_draft(r)]
-        candidates: list[tuple[float, int]] = []  # (probability of acceptance, request's index in `decoding`)
-        for i, req in enumerate(decoding):
-            judged = req.draft_accepted + req.draft_rejections
-            rate, p = (req.draft_accepted + 1) / (judged + 2), 1.0
-            for _ in range(proposer.num_speculative_tokens):
-                p *= rate
-                candidates.append((p, i))
-        candidates.sort(key=lambda c: -c[0])  # stable: equals keep the batch order
-        counts = [0] * len(decoding)
-        expected = tokens = float(len(decoding))
-        for p, i in candidates:
-            if p * (self.weight_read_tokens + tokens) <= expected:
-                break
-            counts[i] += 1
-            expected += p
-            tokens += 1
-        for i, req in enumerate(decoding):
-            if req.draft_accepted + req.draft_rejections < _EXPLORE:
-                counts[i] = max(counts[i], 1)
+        judged = [(r.draft_accepted, r.draft_rejections) for r in decoding]
+        counts = draft_lengths(judged, proposer.num_speculative_tokens, self.weight_read_tokens)
         return {req.request_id: n for req, n in zip(decoding, counts, strict=True) if n}
 
     def _draft(self, proposer: Proposer, req: Request, budget: int, length: int) -> list[int]:

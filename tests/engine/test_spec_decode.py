@@ -10,7 +10,7 @@ import torch
 
 from hybridserve.config import EngineConfig, SchedulerConfig
 from hybridserve.engine.cache.manager import KVCacheManager
-from hybridserve.engine.drafting import NgramProposer
+from hybridserve.engine.drafting import NgramProposer, draft_lengths
 from hybridserve.engine.fanout import expand
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.protocol import EngineCoreRequest, FinishReason, SchedulerStats, WorkerStatus
@@ -239,6 +239,13 @@ def _decoding_batch(size: int, reads: float, accepted: int, rejections: int) -> 
 def test_draft_lengths_follow_the_step_cost_and_the_acceptance(size, reads, accepted, rejections, drafted):
     sched = _decoding_batch(size, reads, accepted, rejections)
     assert [s.num_draft for s in sched.schedule().scheduled] == drafted
+
+
+def test_draft_lengths_alone_weigh_each_request_by_its_own_acceptance():
+    """drafting.draft_lengths without a scheduler: beside a request whose drafts were always kept, one whose drafts
+    failed gets none once its acceptance is known, and a new one tries one."""
+    assert draft_lengths([(40, 0), (0, 4), (0, 0)], 4, 12.0) == [4, 0, 1]
+    assert draft_lengths([], 4, 12.0) == []
 
 
 def test_a_request_s_acceptance_is_counted_per_judged_token():
