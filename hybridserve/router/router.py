@@ -134,38 +134,7 @@ class Router:
             ctx.destroy(linger=0)
 
     def _wait(self, ctx: zmq.Context, timeout_s: float, require_all: bool) -> None:
-        pending: dict[str, zmq.Socket] = {}
-        for link in self.links:
-            sock = ctx.socket(zmq.DEALER)
-            sock.connect(link.address)
-            sock.send(_encode(Hello(self.frontend, uuid.uuid4().hex, self.settings.secret, protocol_fingerprint())))
-            pending[link.name] = sock
-        deadline = time.monotonic() + timeout_s
-        replies: dict[str, Welcome | Refused] = {}
-        welcomed: float | None = None  # when the first Welcome came
-        while pending:
-            for link in self.links:
-                sock = pending.get(link.name)
-                if sock is None:
-                    continue
-                if link.process is not None and not link.process.is_alive():
-                    raise EngineUnavailable(
-                        f"worker {link.name} exited during start-up (exit code "
-                        f"{link.process.exitcode}); its log above says why"
-                    )
-                if not sock.poll(0):
-                    continue
-                del pending[link.name]
-                replies[link.name] = reply = _decode(sock.recv())
-                if welcomed is None and isinstance(reply, Welcome):
-                    welcomed = time.monotonic()
-            # Remote workers: up to _SETTLE_S more for the others once one answered, so that the deployment is
-            # fixed by the order of --worker, not by which worker answered first.
-            if not require_all and welcomed is not None and time.monotonic() - welcomed >= _SETTLE_S:
-                break
-            if time.monotonic() > deadline:
-                break
-            time.sleep(_POLL_MS / 1000)
+        replies, silent = self._gather_replies(ctx, timeout_s, require_all)
         accepted = 0
         for link in self.links:  # in the order given: the first accepted fixes the deployment's geometry
             if (reply := replies.get(link.name)) is None:
@@ -178,11 +147,11 @@ class Router:
         if require_all and any(link.state is WorkerState.REFUSED for link in self.links):
             raise EngineUnavailable("; ".join(f"worker {w.name}: {w.error}" for w in self.links if w.error))
         if not accepted:
-            waiting = [f"worker {name}: no answer within {timeout_s:g}s" for name in pending]
+            waiting = [f"worker {name}: no answer within {timeout_s:g}s" for name in silent]
             problems = [f"worker {w.name}: {w.error}" for w in self.links if w.error]
             raise EngineUnavailable("no engine worker is available: " + "; ".join(problems + waiting))
         for link in self.links:
-            if link.name in pending:  # the others are up: it is retried in the background
+            if link.name in silent:  # the others are up: it is retried in the background
                 self._set_state(link, WorkerState.DOWN, "no answer at start-up")
         assert self.identity is not None
         block_size = self.identity.facts.block_size
@@ -195,6 +164,43 @@ class Router:
         )
         if any(link.role != "both" for link in self.links):
             self.disagg = Disaggregation(self.links, block_size, self.settings.max_local_prefill_tokens)
+
+    def _gather_replies(
+        self, ctx: zmq.Context, timeout_s: float, require_all: bool
+    ) -> tuple[dict[str, Welcome | Refused], set[str]]:
+        """Greets every worker and collects their answers, by worker name, until all answered, time ran out, or
+        (not `require_all`) the others had _SETTLE_S after the first Welcome; also the names that never answered.
+        Raises EngineUnavailable when a local worker exits meanwhile."""
+        pending: dict[str, zmq.Socket] = {}
+        for link in self.links:
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(link.address)
+            sock.send(_encode(Hello(self.frontend, uuid.uuid4().hex, self.settings.secret, protocol_fingerprint())))
+            pending[link.name] = sock
+        deadline = time.monotonic() + timeout_s
+        replies: dict[str, Welcome | Refused] = {}
+        welcomed: float | None = None  # when the first Welcome came
+        while pending:
+            for link in self.links:
+                if (sock := pending.get(link.name)) is None:
+                    continue
+                if link.process is not None and not link.process.is_alive():
+                    raise EngineUnavailable(
+                        f"worker {link.name} exited during start-up (exit code "
+                        f"{link.process.exitcode}); its log above says why"
+                    )
+                if sock.poll(0):
+                    del pending[link.name]
+                    replies[link.name] = reply = _decode(sock.recv())
+                    if welcomed is None and isinstance(reply, Welcome):
+                        welcomed = time.monotonic()
+            # Remote workers: up to _SETTLE_S more for the others once one answered, so that the deployment is
+            # fixed by the order of --worker, not by which worker answered first.
+            settled = not require_all and welcomed is not None and time.monotonic() - welcomed >= _SETTLE_S
+            if settled or time.monotonic() > deadline:
+                break
+            time.sleep(_POLL_MS / 1000)
+        return replies, set(pending)
 
     def _check(self, link: WorkerLink, welcome: Welcome) -> str | None:
         """Why this worker cannot serve this deployment (None: it can); the first one fixes the geometry."""

@@ -62,18 +62,22 @@ def _errors(value: object, schema: dict, path: str):
     if "const" in schema and value != schema["const"]:
         yield f"{path}: {value!r} != {schema['const']!r}"
     if isinstance(value, dict):
-        for key in schema.get("required", ()):
-            if key not in value:
-                yield f"{path}: missing required {key!r}"
-        properties = schema.get("properties", {})
-        extra = schema.get("additionalProperties", True)
-        for key, item in value.items():
-            if key in properties:
-                yield from _errors(item, properties[key], f"{path}.{key}")
-            elif extra is False:
-                yield f"{path}: unexpected property {key!r}"
-            elif isinstance(extra, dict):
-                yield from _errors(item, extra, f"{path}.{key}")
+        yield from _object_errors(value, schema, path)
     if isinstance(value, list) and "items" in schema:
         for i, item in enumerate(value):
             yield from _errors(item, schema["items"], f"{path}[{i}]")
+
+
+def _object_errors(value: dict, schema: dict, path: str):
+    for key in schema.get("required", ()):
+        if key not in value:
+            yield f"{path}: missing required {key!r}"
+    properties = schema.get("properties", {})
+    extra = schema.get("additionalProperties", True)
+    for key, item in value.items():
+        if key in properties:
+            yield from _errors(item, properties[key], f"{path}.{key}")
+        elif extra is False:
+            yield f"{path}: unexpected property {key!r}"
+        elif isinstance(extra, dict):
+            yield from _errors(item, extra, f"{path}.{key}")
