@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
-# the Codex CLI the slow client test drives (tests/serving/test_codex_cli.py pins the same version)
+# the Codex CLI the slow client test drives (tests/e2e/test_codex_cli.py pins the same version)
 CODEX_VERSION := 0.171.0
 CODEX_STAMP := .npm-tools/.codex-$(CODEX_VERSION)
 

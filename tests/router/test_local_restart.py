@@ -1,5 +1,5 @@
 """A local engine worker that cannot start again makes the server exit non-zero. (One killed with SIGKILL and
-started again is tested on the supervised server of tests/serving/test_e2e_server.py, which SIGTERM then
+started again is tested on the supervised server of tests/e2e/test_e2e_server.py, which SIGTERM then
 ends: one server start-up for both.)"""
 
 from __future__ import annotations

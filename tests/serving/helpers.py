@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from .openapi_schema import check
+from tests.serving.openapi_schema import check
 
 # "The capital of France is Paris." then EOS (id 2, which decodes to "" with skip_special_tokens).
 PARIS = [504, 3575, 282, 4649, 314, 7042, 30, 2]

@@ -2,8 +2,8 @@
 
 import time
 
-from .helpers import QUESTION, error_body
-from .openapi_schema import check
+from tests.serving.helpers import QUESTION, error_body
+from tests.serving.openapi_schema import check
 
 
 def test_models(client):

@@ -131,8 +131,8 @@ def test_invalid_config_is_a_usage_error(capsys):
 
 
 def test_serve_builds_the_engine_and_runs_uvicorn(monkeypatch, tokenizer):
-    from .fake_engine import FakeEngine
-    from .helpers import PARIS
+    from tests.serving.fake_engine import FakeEngine
+    from tests.serving.helpers import PARIS
 
     seen = {}
     engine = FakeEngine(tokenizer, [PARIS])
@@ -184,9 +184,8 @@ def test_kimi_param_policy_default_from_the_environment(monkeypatch, capsys):
 def test_serve_hands_the_extension_its_config(monkeypatch, tokenizer):
     from hybridserve.serving import app
     from hybridserve.serving.extensions.kimi_k3 import KimiK3ServingExtension
-
-    from .fake_engine import FakeEngine
-    from .helpers import PARIS
+    from tests.serving.fake_engine import FakeEngine
+    from tests.serving.helpers import PARIS
 
     engine = FakeEngine(tokenizer, [PARIS])
     engine.model_type = "kimi_k3"

@@ -11,11 +11,10 @@ from fastapi.testclient import TestClient
 from hybridserve.serving import cli
 from hybridserve.serving.app import build_app
 from hybridserve.serving.storage import Database, DataDir, DataDirInUse
-
-from .fake_engine import FakeEngine
-from .helpers import PARIS, serve_with_engine
-from .test_responses import ASK, TEXT
-from .test_responses_background import wait_for
+from tests.serving.fake_engine import FakeEngine
+from tests.serving.helpers import PARIS, serve_with_engine
+from tests.serving.openai.responses.test_responses import ASK, TEXT
+from tests.serving.openai.responses.test_responses_background import wait_for
 
 
 def test_a_second_app_on_the_same_dir_refuses_and_the_first_keeps_working(tokenizer, tmp_path):

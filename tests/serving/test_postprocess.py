@@ -10,14 +10,13 @@ from fastapi.testclient import TestClient
 from hybridserve.serving.app import build_app
 from hybridserve.serving.parsers import Parsers
 from hybridserve.serving.postprocess import PostprocessPool
-
-from .fake_engine import FakeEngine
-from .helpers import PARIS, call_until_disconnect
-from .openapi_schema import check
-from .test_forced_calls import LOOP, cut_in_third_call
-from .test_responses import ASK, TEXT, events
-from .test_responses_store import paused_post, small_pages
-from .test_tools import CALL, TOOLS, script
+from tests.serving.fake_engine import FakeEngine
+from tests.serving.helpers import PARIS, call_until_disconnect
+from tests.serving.openai.responses.test_responses import ASK, TEXT, events
+from tests.serving.openai.responses.test_responses_store import paused_post, small_pages
+from tests.serving.openai.test_forced_calls import LOOP, cut_in_third_call
+from tests.serving.openai.test_tools import CALL, TOOLS, script
+from tests.serving.openapi_schema import check
 
 IDS = re.compile(r"(resp|msg|rs|fc|call)_[0-9a-f]{32}")
 

@@ -16,9 +16,8 @@ from fastapi.testclient import TestClient
 from hybridserve.config import EngineConfig, ServingConfig
 from hybridserve.serving import cli
 from hybridserve.serving.app import build_app
-
-from .fake_engine import FakeEngine
-from .helpers import PARIS, QUESTION, error_body, serve_with_engine, without_ids
+from tests.serving.fake_engine import FakeEngine
+from tests.serving.helpers import PARIS, QUESTION, error_body, serve_with_engine, without_ids
 
 BODIES = {
     "/v1/chat/completions": {"messages": QUESTION, "max_tokens": 8, "temperature": 0},

@@ -10,8 +10,7 @@ from hybridserve.config import ServingConfig
 from hybridserve.engine.async_llm import sampling_defaults
 from hybridserve.sampling_params import SamplingDefaults
 from hybridserve.serving import cli
-
-from .helpers import QUESTION
+from tests.serving.helpers import QUESTION
 
 CHAT = "/v1/chat/completions"
 RECOMMENDED = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.05, repetition_penalty=1.1)
