@@ -124,7 +124,7 @@ class ResponsesService:
             if req.stream:
                 return EventStreamResponse(pooled.events(stream=True))
             return await cancel_on_disconnect(request, _complete(pooled))
-        response = ResponseRun(run, base, output_parser(self.parsers, prompt.text, tools), finish)
+        response = ResponseRun(run, base, output_parser(self.parsers, prompt.text, tools), finish, bool(req.background))
         if req.background:
             self.background.start(response)
             if req.stream:  # a disconnect only stops following: the run goes on
