@@ -3,7 +3,7 @@ with the same checks and the same error bodies (each naming the field as its end
 
 tools and tool_choice (as the extension enforces "required") → sampling parameters (the extension may keep
 special tokens) → the structured-output constraint (a forced call's, or the format's as the extension adjusts
-it) → the prompt, rendered with the extension's renderer and tokenized → a completion budget that fits.
+it) → the prompt, rendered with the model's renderer (rendering/) and tokenized → a completion budget that fits.
 
 The endpoint checks its model and its own fields and applies the extension's request rules first; Responses
 gathers its input items and history between the tools and the sampling parameters.
@@ -16,9 +16,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hybridserve.rendering.base import RenderError
+from hybridserve.rendering.registry import renderer_for
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions.base import ServingExtension
+from hybridserve.serving.openai.errors import APIError
 from hybridserve.serving.openai.generation import fit_to_context
 from hybridserve.serving.openai.prompt import Prompt, tokenized
 from hybridserve.serving.openai.protocol import SamplingRequest
@@ -58,12 +61,12 @@ class Prepared:
 
 
 class Preamble:
-    """The shared steps, bound to the engine and the model's extension (and so its renderer)."""
+    """The shared steps, bound to the engine, the model's extension and the model's renderer."""
 
     def __init__(self, engine: ServingEngine, extension: ServingExtension) -> None:
         self.engine = engine
         self.extension = extension
-        self.renderer = extension.renderer(engine.tokenizer)
+        self.renderer = renderer_for(engine.model_type, engine.tokenizer)
         self.vocab_size = len(engine.tokenizer)
 
     async def tools(self, dialect: Dialect, tools: Any, tool_choice: Any, parallel: bool | None) -> ToolRequest:
@@ -116,6 +119,9 @@ class Preamble:
         tools: ToolRequest,
         template_kwargs: dict[str, Any] | None,
     ) -> Prompt:
-        """`messages` rendered by the model's renderer (a template error is a 400 on the prompt), tokenized."""
-        text = self.renderer.render(messages, tools.template_tools(), template_kwargs, param=dialect.prompt_param)
+        """`messages` rendered by the model's renderer (what it cannot render is a 400 on the prompt), tokenized."""
+        try:
+            text = self.renderer.render(messages, tools.template_tools(), template_kwargs)
+        except RenderError as exc:
+            raise APIError(400, str(exc), param=dialect.prompt_param) from None
         return await tokenized(self.engine.tokenizer, text)
