@@ -1,4 +1,7 @@
-"""The offline API: `LLM(model).generate(prompts, params)`, with the engine core in this process."""
+"""The offline API: `LLM(model).generate(prompts, params)`, with the engine core in this process.
+
+Chat prompts go through the renderer the frontend uses for the model (hybridserve/rendering/), so a chat
+prompt here and the same messages sent to `hybridserve serve` are the same token ids."""
 
 from __future__ import annotations
 
@@ -6,13 +9,14 @@ import itertools
 from collections.abc import Sequence
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.async_llm import eos_token_ids
+from hybridserve.engine.async_llm import eos_token_ids, model_type
 from hybridserve.engine.client import InprocEngineClient
 from hybridserve.engine.core import EngineCore
 from hybridserve.engine.fanout import expand
 from hybridserve.engine.output_processor import ChoiceOutputs
 from hybridserve.engine.outputs import Completion, CompletionOutput, FinalOutput, Logprob
 from hybridserve.models.loader import resolve_model
+from hybridserve.rendering.registry import renderer_for
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import load_tokenizer
 
@@ -23,14 +27,15 @@ class LLM:
         resolved = resolve_model(config.model.model)
         self.config = config
         self.tokenizer = load_tokenizer(resolved.hf_dir)
+        self.renderer = renderer_for(model_type(resolved.hf_dir), self.tokenizer)
         self.eos_token_ids = eos_token_ids(resolved.hf_dir, self.tokenizer)
         self.core = EngineCore(config, resolved.hf_dir)
         self.client = InprocEngineClient(self.core, config)
         self._ids = itertools.count()
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """The ids of `messages` rendered for the model's answer, as the frontend renders and tokenizes them."""
+        return self.tokenizer.encode(self.renderer.render(messages), add_special_tokens=False)
 
     def generate(
         self,

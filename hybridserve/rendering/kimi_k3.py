@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from hybridserve.rendering.base import RenderError
+
 OPEN, SEP, CLOSE, END = "<|open|>", "<|sep|>", "<|close|>", "<|end_of_msg|>"
 SPECIAL_TOKENS = (OPEN, SEP, CLOSE, END)
 THINK_OPEN, THINK_CLOSE = f"{OPEN}think{SEP}", f"{CLOSE}think{SEP}"
@@ -209,3 +211,18 @@ def render_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
     if kwargs.get("add_generation_prompt", True):
         out.append(ASSISTANT_OPEN + (THINK_OPEN if kwargs.get("thinking", True) else RESPONSE_OPEN))
     return "".join(out)
+
+
+class KimiK3Renderer:
+    """The K3 format behind the Renderer interface."""
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        try:
+            return render_messages(messages, tools, template_kwargs or {})
+        except ValueError as exc:
+            raise RenderError(f"The Kimi-K3 renderer could not render these messages: {exc}") from None

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from hybridserve.rendering.chat_template import template_supports_tools
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions import ServingExtension, extension_for
 from hybridserve.serving.metrics import ServingMetrics
@@ -23,7 +24,6 @@ from hybridserve.serving.openai.endpoints import GenerationServices
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, install_error_handlers, json_response
 from hybridserve.serving.openai.models import ModelsService
 from hybridserve.serving.openai.openapi import errors, json_body, publish
-from hybridserve.serving.openai.prompt import template_supports_tools
 from hybridserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hybridserve.serving.openai.responses.protocol import ResponsesRequest
 from hybridserve.serving.openai.responses.store import ResponseStore, Retention

@@ -1,5 +1,5 @@
-"""What the serving layer needs of its engine. `hybridserve.engine.async_llm.AsyncLLM` is one, over any
-EngineClient (in-process, a worker process, a router); the HTTP tests use a scripted one."""
+"""What the serving layer needs of its engine: `hybridserve.engine.async_llm.AsyncLLM`, over any EngineClient
+(in-process, a worker process, a router; the HTTP tests' scripted model)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
 from hybridserve.serving.openai.generation import RunAccounting, engine_failure, unavailable_error, usage_body
-from hybridserve.serving.openai.responses.events import ResponseFormatter, failure_events
+from hybridserve.serving.openai.responses.events import ResponseFormatter
+from hybridserve.serving.openai.responses.lifecycle import Ending, ResponseLifecycle
 from hybridserve.serving.openai.responses.output import EventWriter
 from hybridserve.serving.openai.responses.protocol import cancelled_response, failed_response, usage
 from hybridserve.serving.openai.tools import ToolRequest, output_parser
@@ -302,8 +303,9 @@ class PostprocessPool:
             self._outboxes[self.processes.index(process)].send(Stop())
 
 
-class PooledResponseRun:
-    """A Response post-processed in a worker; the same face as ResponseRun (`events`, `final`)."""
+class PooledResponseRun(ResponseLifecycle):
+    """A Response post-processed in a worker. If the worker itself fails, the stream still ends with error →
+    failed (numbered on); a cancelled run is stored without the output so far, which only the worker had."""
 
     def __init__(
         self,
@@ -314,17 +316,19 @@ class PooledResponseRun:
         job: ResponseJob,
         finish: Callable[[dict[str, Any], list[bytes]], dict[str, Any]],
     ) -> None:
+        super().__init__(job.base, finish)
         self.engine = engine
         self.pool = pool
         self.job = job
-        self.finish = finish
-        self.final: dict[str, Any] | None = None
         self.accounting = RunAccounting(metrics, arrival, [len(job.request.prompt_token_ids)], 1)
 
-    async def events(self, stream: bool) -> AsyncIterator[bytes]:
-        """As ResponseRun.events: the frames (when `stream`), `final` set, `finish` called before the terminal
-        event, on every way out. If the worker itself fails, the stream still ends with error → failed
-        (numbered on); a cancelled run is stored without the output so far, which only the worker had."""
+    def usage(self) -> dict[str, Any]:
+        return self.accounting.usage()
+
+    def cancelled(self) -> dict[str, Any]:
+        return cancelled_response(self.base, [], usage(self.accounting.usage()))
+
+    async def body(self, stream: bool) -> AsyncIterator[bytes | Ending]:
         rid = self.job.request.request_id
         ticket: _Ticket | None = None
         ended = False
@@ -344,16 +348,14 @@ class PooledResponseRun:
                 if msg.final is not None:
                     ended = True
                     outcome = "error" if msg.error is not None else None
-                    reported = self._end(msg.final, [msg.frames, msg.terminal])
-                    if msg.error is not None and not stream:
+                    failure = None
+                    if msg.error is not None:
                         code = "engine_unavailable" if msg.error_status == 503 else None
-                        raise APIError(msg.error_status, msg.error, type=SERVER_ERROR, code=code)
-                if msg.frames:
+                        failure = APIError(msg.error_status, msg.error, type=SERVER_ERROR, code=code)
+                    yield Ending(msg.final, [frames for frames in (msg.frames, msg.terminal) if frames], failure)
+                elif msg.frames:
                     sent += msg.frames.count(b"\n\n")
                     yield msg.frames
-                if msg.terminal:
-                    unstored = reported is not msg.final and reported["status"] == "failed"
-                    yield b"".join(failure_events(sent, reported)) if unstored else msg.terminal
         except RuntimeError as exc:
             outcome = "error"
             error = (
@@ -361,28 +363,12 @@ class PooledResponseRun:
                 if isinstance(exc, EngineUnavailable)
                 else APIError(500, str(exc), type=SERVER_ERROR)
             )
+            final = failed_response(self.base, error, self.accounting.usage())
             event = EventWriter(sent)
             frames = [event("error", code=error.code or error.type, message=error.message, param=error.param)]
-            reported = self._end(failed_response(self.job.base, error, self.accounting.usage()), frames)
-            if not stream:
-                raise error from None
-            yield frames[0]
-            yield event("response.failed", response=reported)
-        except (asyncio.CancelledError, GeneratorExit):
-            if self.final is None:
-                self._end(cancelled_response(self.job.base, [], usage(self.accounting.usage())), [])
-            raise
-        except Exception as exc:
-            if self.final is None:  # a bug: the response fails, loudly
-                error = APIError(500, f"The response failed: {exc}", type=SERVER_ERROR)
-                self._end(failed_response(self.job.base, error, self.accounting.usage()), [])
-            raise
+            yield Ending(final, [*frames, event("response.failed", response=final)] if stream else [], error)
         finally:
             self.engine.release([rid], abort=[] if ended else [rid])
             if ticket is not None:
                 self.pool.close(ticket, unfinished=not ended)
             self.accounting.close(outcome)
-
-    def _end(self, final: dict[str, Any], pending: list[bytes]) -> dict[str, Any]:
-        self.final = self.finish(final, pending)
-        return self.final

@@ -112,3 +112,16 @@ def test_online_requests_are_admitted_before_waiting_batch_work(smollm2_dir):
     asyncio.run(main())
     assert finished == ["online", "batch-0", "batch-1"]
     llm.core.check_integrity()
+
+
+def test_offline_chat_prompts_are_the_ids_the_server_sends(llm: LLM, engine: AsyncLLM):
+    """LLM.chat_prompt renders through the frontend's renderer: the same messages, the same token ids."""
+    from fastapi.testclient import TestClient
+
+    from hybridserve.serving.app import build_app
+
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    body = {"messages": messages, "max_tokens": 1, "return_token_ids": True}
+    with TestClient(build_app(engine, None)) as client:
+        served = client.post("/v1/chat/completions", json=body).json()["prompt_token_ids"]
+    assert llm.chat_prompt(messages) == served

@@ -6,28 +6,14 @@ generic behaviour, so a model without an extension is served exactly as before.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from hybridserve.config import ExtensionConfig
 from hybridserve.sampling_params import StructuredOutput
-from hybridserve.serving.openai.prompt import PromptRenderer
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.openai.responses.protocol import ResponsesRequest
 
 RequiredMode = Literal["template", "grammar"]
-
-
-class Renderer(Protocol):
-    def render(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-        param: str = "messages",
-    ) -> str:
-        """The prompt text (the services tokenize it: prompt.tokenized); what cannot be rendered is a 400 on
-        `param`."""
-        ...
 
 
 class ServingExtension:
@@ -41,9 +27,6 @@ class ServingExtension:
     def __init__(self, config: ExtensionConfig | None = None) -> None:
         #: the deployment's switches (`hybridserve serve` flags); an extension reads its own
         self.config = ExtensionConfig() if config is None else config
-
-    def renderer(self, tokenizer) -> Renderer:
-        return PromptRenderer(tokenizer)
 
     def apply_chat_extensions(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
         """The chat request as this model serves it (derived template kwargs, sampling policy); may raise a

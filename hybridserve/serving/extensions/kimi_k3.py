@@ -21,7 +21,6 @@ from hybridserve.rendering.kimi_k3 import (
     RESPONSE_CLOSE,
     RESPONSE_OPEN,
     THINK_CLOSE,
-    render_messages,
 )
 from hybridserve.sampling_params import StructuredOutput
 from hybridserve.serving.extensions.base import RequiredMode, ServingExtension, register
@@ -33,22 +32,6 @@ from hybridserve.serving.openai.responses.protocol import ResponsesRequest
 
 EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
 TOOL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_-]{0,255}$")
-
-
-class KimiK3Renderer:
-    """The K3 format behind PromptRenderer's interface; what it cannot render is a 400 on `param`."""
-
-    def render(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-        param: str = "messages",
-    ) -> str:
-        try:
-            return render_messages(messages, tools, template_kwargs or {})
-        except ValueError as exc:
-            raise APIError(400, f"The Kimi-K3 renderer could not render these messages: {exc}", param=param) from None
 
 
 def thinking_kwargs(effort: Any, param: str) -> dict[str, Any]:
@@ -131,9 +114,6 @@ def _with_kwargs(request: R, derived: dict[str, Any], policy: bool) -> R:
 class KimiK3ServingExtension(ServingExtension):
     parsers = ("kimi_k3", "kimi_k3")
     keeps_special_tokens = True
-
-    def renderer(self, tokenizer) -> KimiK3Renderer:
-        return KimiK3Renderer()
 
     def apply_chat_extensions(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
         check_system_tools(request)

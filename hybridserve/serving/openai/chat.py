@@ -6,7 +6,6 @@ Each choice's text goes through its parser: reasoning becomes `reasoning_content
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -15,24 +14,24 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from hybridserve.sampling_params import SamplingParams
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions.base import ServingExtension
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, json_response
 from hybridserve.serving.openai.generation import (
     GenerationRun,
-    fit_to_context,
     logprobs_content,
     prompt_logprobs_body,
     request_priority,
     stream_frame,
 )
 from hybridserve.serving.openai.models import check_model
-from hybridserve.serving.openai.prompt import tokenized
+from hybridserve.serving.openai.preamble import Preamble, chat_dialect
+from hybridserve.serving.openai.prompt import Prompt
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
-from hybridserve.serving.openai.structured import structured_output
-from hybridserve.serving.openai.tools import output_parser, required_by, tool_request
+from hybridserve.serving.openai.tools import output_parser
 from hybridserve.serving.parsers import Parsers, Piece, Reasoning, StreamParser, Text, ToolCall
 from hybridserve.serving.parsers.base import merged
 
@@ -45,42 +44,24 @@ class ChatService:
         self.metrics = metrics
         self.parsers = parsers
         self.extension = extension
-        self.renderer = extension.renderer(engine.tokenizer)
-        self.vocab_size = len(engine.tokenizer)
+        self.preamble = Preamble(engine, extension)
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         check_model(self.engine, req.model)
         req.check_stream_options()
         req = self.extension.apply_chat_extensions(req)
-        tools = await tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, nested=True)
-        tools = required_by(tools, self.extension.required_tool_choice_mode())
-        max_param = req.max_tokens_param
-        renames = {"max_tokens": max_param, "logprobs": "top_logprobs"}
-        params = req.sampling_params(
-            req.num_logprobs(),
-            req.requested_max_tokens,
-            renames,
-            self.vocab_size,
-            self.engine.sampling_defaults,
-            prompt_logprobs=req.prompt_logprobs,
+        dialect = chat_dialect(req.max_tokens_param)
+        tools = await self.preamble.tools(dialect, req.tools, req.tool_choice, req.parallel_tool_calls)
+
+        async def render(_: SamplingParams) -> Prompt:
+            return await self.preamble.render(dialect, req.template_messages(), tools, req.chat_template_kwargs)
+
+        kwargs = req.chat_template_kwargs or {}
+        prepared = await self.preamble.prepare(
+            dialect, tools, req, req.num_logprobs(), req.requested_max_tokens, req.response_format, kwargs, render
         )
-        if self.extension.keeps_special_tokens and req.skip_special_tokens is None:
-            params = dataclasses.replace(params, skip_special_tokens=False)
-        constraint = structured_output(req.response_format, tools, param="response_format", nested=True)
-        if not tools.forced:
-            constraint = self.extension.structured_output(constraint, req.chat_template_kwargs or {})
-        params = dataclasses.replace(params, structured_output=constraint)
-        text = self.renderer.render(req.template_messages(), tools.template_tools(), req.chat_template_kwargs)
-        prompt = await tokenized(self.engine.tokenizer, text)
-        params = fit_to_context(
-            params,
-            len(prompt.ids),
-            self.engine.max_model_len,
-            what="messages",
-            max_tokens_param=max_param,
-            renames=renames,
-        )
+        prompt, params = prepared.prompt, prepared.params
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         run = GenerationRun(
             self.engine, self.metrics, request_id, [prompt.ids], [params], arrival, request_priority(request)

@@ -8,17 +8,13 @@ Codex declare built-in tools a self-hosted model cannot run; a type OpenAI does 
 missing type) is a 400.
 
 Forced calls (tool_choice "required" or a named function) are a grammar (`forced_schema`, at most
-MAX_FORCED_CALLS calls) read back by forced.py.
-
-A chat template that knows no tools (SmolLM2's, for one) still serves agents: the tools, the assistant's
-earlier calls and the tool results are written into the messages in the Hermes format, which the hermes
-tool parser reads back.
+MAX_FORCED_CALLS calls) read back by forced.py. How tools reach the prompt is the renderer's
+(hybridserve/rendering/).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import json
@@ -270,46 +266,3 @@ def _choice(choice: Any, functions: list[FunctionTool], nested: bool) -> str:
     if name != "required" and name not in (f.name for f in functions):
         raise APIError(400, f"tool_choice names function {name!r}, which is not in tools.", param="tool_choice")
     return name
-
-
-def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """`messages` with tools, calls and results written as Hermes text, for templates that know no tools."""
-    out: list[dict[str, Any]] = []
-    previous = None
-    for message in messages:
-        role = message["role"]
-        content = message.get("content") or ""
-        if role == "assistant" and message.get("tool_calls"):
-            calls = [_hermes_call(call["function"]) for call in message["tool_calls"]]
-            out.append({"role": "assistant", "content": "\n".join(([content] if content else []) + calls)})
-        elif role == "tool":
-            result = f"<tool_response>\n{content}\n</tool_response>"
-            if previous == "tool":  # consecutive results share one user turn
-                out[-1]["content"] += "\n" + result
-            else:
-                out.append({"role": "user", "content": result})
-        else:
-            out.append({"role": role, "content": content})
-        previous = role
-    if tools:
-        declarations = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
-        block = (
-            "# Tools\n\nYou may call one or more of these functions to help with the user's request. "
-            f"Their signatures, one per line:\n<tools>\n{declarations}\n</tools>\n\n"
-            "To call a function, write one block per call:\n"
-            '<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>'
-        )
-        if out and out[0]["role"] in ("system", "developer"):
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
-        else:
-            out.insert(0, {"role": "system", "content": block})
-    return out
-
-
-def _hermes_call(function: dict[str, Any]) -> str:
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        with contextlib.suppress(ValueError):
-            arguments = json.loads(arguments)
-    body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
-    return f"<tool_call>\n{body}\n</tool_call>"

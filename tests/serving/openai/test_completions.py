@@ -50,7 +50,9 @@ def test_batch_of_strings_indexes_choices_per_prompt_times_n(tokenizer):
         (3, "."),
     ]
     a, c = tokenizer.encode("a b"), tokenizer.encode("c")
-    assert [(p, rid) for p, _, rid in engine.calls] == [(a, body["id"] + "-0"), (c, body["id"] + "-1")]
+    # One engine request per prompt and choice: prompt k's engine request id, then "-<choice>".
+    ids = [(a, body["id"] + "-0-0"), (a, body["id"] + "-0-1"), (c, body["id"] + "-1-0"), (c, body["id"] + "-1-1")]
+    assert [(p, rid) for p, _, rid in engine.calls] == ids
     assert body["usage"]["prompt_tokens"] == len(a) + len(c)
     assert body["usage"]["completion_tokens"] == 2 * (3 + 2)
     check(body, "CreateCompletionResponse")

@@ -30,8 +30,9 @@ def test_chat_disconnect_aborts(tokenizer, stream):
     engine = FakeEngine(tokenizer, [PARIS])
     engine.pause_at_step = 3
     sent, app = run_disconnecting(engine, "/v1/chat/completions", {"messages": QUESTION, "stream": stream, "n": 2})
-    [(_, _, request_id)] = engine.calls
-    assert engine.aborted == [request_id] and engine.completed == [] and engine.running == 0
+    request_ids = [rid for _, _, rid in engine.calls]  # one engine request per choice
+    assert len(request_ids) == 2 and engine.aborted == request_ids
+    assert engine.completed == [] and engine.running == 0
     assert outcome(app, "abort") == 2 and outcome(app, "stop") == 0
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     if stream:

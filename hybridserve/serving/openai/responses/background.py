@@ -45,7 +45,7 @@ class BackgroundRuns:
     async def _run(self, live: _Live) -> None:
         run = live.response
         response_id = run.base["id"]
-        events = run.events(stream=True, background=True)
+        events = run.events(stream=True)
         try:
             self.store.start(response_id)
             async for frame in events:

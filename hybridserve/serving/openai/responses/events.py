@@ -10,13 +10,13 @@ objects.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from hybridserve.engine.outputs import CompletionOutput
-from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
+from hybridserve.serving.openai.errors import APIError
 from hybridserve.serving.openai.generation import GenerationRun, logprobs_content
+from hybridserve.serving.openai.responses.lifecycle import Ending, ResponseLifecycle
 from hybridserve.serving.openai.responses.output import EventWriter, OutputBuilder
 from hybridserve.serving.openai.responses.protocol import (
     cancelled_response,
@@ -25,17 +25,6 @@ from hybridserve.serving.openai.responses.protocol import (
     usage,
 )
 from hybridserve.serving.parsers import Piece, StreamParser, Text, ToolCall
-
-
-def failure_events(sequence_number: int, response: dict[str, Any]) -> list[bytes]:
-    """The events that end a stream, numbered from `sequence_number`, when the store reports `response`
-    (failed: its end could not be stored) instead of the run's own terminal object: error, response.failed."""
-    event = EventWriter(sequence_number)
-    error = response["error"]
-    return [
-        event("error", code=error["code"], message=error["message"], param=None),
-        event("response.failed", response=response),
-    ]
 
 
 class ResponseFormatter:
@@ -96,11 +85,6 @@ class ResponseFormatter:
             frames.append(self.event(f"response.{status}", response=final))
         return frames, final
 
-    def failed_instead(self, response: dict[str, Any]) -> list[bytes]:
-        """The events that replace the terminal one (its number reused) when the store reports `response`,
-        failed, instead of the terminal object."""
-        return [] if self.event is None else failure_events(self.event.sequence_number - 1, response)
-
     def _add(self, piece: Piece) -> list[bytes]:
         """The piece's frames; a text piece carries the logprobs of the tokens behind it (a call's are dropped)."""
         logprobs = None
@@ -123,14 +107,9 @@ class ResponseFormatter:
         return cancelled_response(self.base, self.output.cut(), usage(chat_usage, self.reasoning_tokens))
 
 
-class ResponseRun:
-    """`finish(final, pending)` receives the terminal object and the frames still to send (its terminal event
-    last) to store them, and returns the state to report, which `final` holds after: the terminal object, or
-    a failed one if it could not be stored, whose error then ends the stream instead of the terminal event.
-
-    Every way out of `events` ends in `finish`: the run's end, an engine failure, being cancelled or closed
-    (a client disconnect, a background cancel: `cancelled`, with the output so far) and a bug (`failed`),
-    so a stored response is never left in progress."""
+class ResponseRun(ResponseLifecycle):
+    """A Response generated on the event loop, from a GenerationRun; a `background` one's stream says it was
+    queued. Cancelled, it is stored with the output built so far."""
 
     def __init__(
         self,
@@ -138,56 +117,36 @@ class ResponseRun:
         base: dict[str, Any],
         parser: StreamParser,
         finish: Callable[[dict[str, Any], list[bytes]], dict[str, Any]],
+        background: bool = False,
     ) -> None:
+        super().__init__(base, finish)
         self.run = run
-        self.base = base
         self.parser = parser
-        self.finish = finish
-        self.final: dict[str, Any] | None = None
+        self.background = background
         self.formatter = ResponseFormatter(base, parser, stream=False)
+
+    def usage(self) -> dict[str, Any]:
+        return self.run.usage()
 
     def cancelled(self) -> dict[str, Any]:
         return self.formatter.cancelled(self.run.usage())
 
-    def fail(self, error: APIError) -> None:
-        """Ends the run failed with `error`, without events (it did not run, or is being left)."""
-        self._end(failed_response(self.base, error, self.run.usage()), [])
-
-    async def events(self, stream: bool, background: bool = False) -> AsyncIterator[bytes]:
-        """The event stream (`stream`), or nothing but `final` set; a non-streamed failure raises APIError."""
+    async def body(self, stream: bool) -> AsyncIterator[bytes | Ending]:
         run = self.run
         logprobs = run.params[0].logprobs is not None
-        fmt = self.formatter = ResponseFormatter(self.base, self.parser, stream, background, logprobs)
-        failure: APIError | None = None
-        try:
-            for frame in fmt.start():
-                yield frame
-            finish_reason = None
-            try:
-                async for _, out, finished in run.outputs():
-                    for frame in fmt.feed(out):
-                        yield frame
-                    if finished:
-                        finish_reason = out.finish_reason
-            except APIError as exc:
-                failure = exc
-                frames, final = fmt.fail(exc, run.usage())
-            else:
-                frames, final = fmt.finish(finish_reason, run.usage())
-        except (asyncio.CancelledError, GeneratorExit):
-            self._end(self.cancelled(), [])
-            raise
-        except Exception as exc:  # a bug: the response fails, loudly
-            self.fail(APIError(500, f"The response failed: {exc}", type=SERVER_ERROR))
-            raise
-        reported = self._end(final, frames)
-        if failure is not None and not stream:
-            raise failure
-        if frames and reported is not final and reported["status"] == "failed":
-            frames[-1:] = fmt.failed_instead(reported)
-        for frame in frames:
+        fmt = self.formatter = ResponseFormatter(self.base, self.parser, stream, self.background, logprobs)
+        for frame in fmt.start():
             yield frame
-
-    def _end(self, final: dict[str, Any], pending: list[bytes]) -> dict[str, Any]:
-        self.final = self.finish(final, pending)
-        return self.final
+        finish_reason = None
+        try:
+            async for _, out, finished in run.outputs():
+                for frame in fmt.feed(out):
+                    yield frame
+                if finished:
+                    finish_reason = out.finish_reason
+        except APIError as exc:
+            frames, final = fmt.fail(exc, run.usage())
+            yield Ending(final, frames, exc)
+        else:
+            frames, final = fmt.finish(finish_reason, run.usage())
+            yield Ending(final, frames)

@@ -6,7 +6,6 @@ GenerationRun, so usage, metrics, engine failures and client disconnects behave 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sqlite3
 import time
@@ -16,13 +15,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from hybridserve.engine.fanout import expand
+from hybridserve.sampling_params import SamplingParams
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions.base import ServingExtension
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import APIError, json_response
-from hybridserve.serving.openai.generation import GenerationRun, fit_to_context, request_priority
+from hybridserve.serving.openai.generation import GenerationRun, request_priority
 from hybridserve.serving.openai.models import check_model
-from hybridserve.serving.openai.prompt import Prompt, tokenized
+from hybridserve.serving.openai.preamble import RESPONSES, Preamble
+from hybridserve.serving.openai.prompt import Prompt
 from hybridserve.serving.openai.protocol import SamplingRequest, list_page
 from hybridserve.serving.openai.responses.background import BackgroundRuns
 from hybridserve.serving.openai.responses.events import ResponseRun
@@ -36,12 +37,10 @@ from hybridserve.serving.openai.responses.protocol import (
 )
 from hybridserve.serving.openai.responses.store import ResponseStore
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect
-from hybridserve.serving.openai.structured import structured_output
-from hybridserve.serving.openai.tools import ToolRequest, output_parser, required_by, tool_request
+from hybridserve.serving.openai.tools import ToolRequest, output_parser
 from hybridserve.serving.parsers import Parsers
 from hybridserve.serving.postprocess import PooledResponseRun, PostprocessPool, ResponseJob
 
-RENAMES = {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}
 UNFINISHED = "The server stopped before this response finished."
 logger = logging.getLogger(__name__)
 
@@ -62,8 +61,7 @@ class ResponsesService:
         self.store = store
         self.parsers = parsers
         self.extension = extension
-        self.renderer = extension.renderer(engine.tokenizer)
-        self.vocab_size = len(engine.tokenizer)
+        self.preamble = Preamble(engine, extension)
         self.background = BackgroundRuns(store)
         for response_id in store.fail_unfinished(UNFINISHED):
             logger.warning("response %s was unfinished when the server last stopped: stored as failed", response_id)
@@ -73,35 +71,30 @@ class ResponsesService:
         check_model(self.engine, req.model)
         req.check_supported()
         req = self.extension.apply_responses_extensions(req)
-        kwargs = req.chat_template_kwargs or {}
-        tools = await tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, nested=False)
-        tools = required_by(tools, self.extension.required_tool_choice_mode())
+        tools = await self.preamble.tools(RESPONSES, req.tools, req.tool_choice, req.parallel_tool_calls)
         items = req.input_items(self.store.item)
         if not items:
             raise APIError(400, "input must contain at least one item.", param="input", code="invalid_value")
         conversation = self._history(req.previous_response_id) + items
-        skip_special = False if self.extension.keeps_special_tokens else None
-        sampling = SamplingRequest(
-            temperature=req.temperature, top_p=req.top_p, user=req.user, skip_special_tokens=skip_special
+        sampling = SamplingRequest(temperature=req.temperature, top_p=req.top_p, user=req.user)
+        kwargs = req.chat_template_kwargs or {}
+
+        async def render(params: SamplingParams) -> Prompt:
+            return await self._prompt(
+                req.instructions, conversation, len(items), tools, params.max_tokens, req.truncation, kwargs
+            )
+
+        prepared = await self.preamble.prepare(
+            RESPONSES,
+            tools,
+            sampling,
+            req.num_logprobs(),
+            req.max_output_tokens,
+            (req.text or {}).get("format"),
+            kwargs,
+            render,
         )
-        params = sampling.sampling_params(
-            req.num_logprobs(), req.max_output_tokens, RENAMES, self.vocab_size, self.engine.sampling_defaults
-        )
-        constraint = structured_output((req.text or {}).get("format"), tools, param="text.format", nested=False)
-        if not tools.forced:
-            constraint = self.extension.structured_output(constraint, kwargs)
-        params = dataclasses.replace(params, structured_output=constraint)
-        prompt = await self._prompt(
-            req.instructions, conversation, len(items), tools, params.max_tokens, req.truncation, kwargs
-        )
-        params = fit_to_context(
-            params,
-            len(prompt.ids),
-            self.engine.max_model_len,
-            what="input",
-            max_tokens_param="max_output_tokens",
-            renames=RENAMES,
-        )
+        prompt, params = prepared.prompt, prepared.params
         response_id = new_id("resp")
         base = base_response(req, response_id, self.engine.model_name, params)
         if req.return_token_ids:
@@ -131,7 +124,7 @@ class ResponsesService:
             if req.stream:
                 return EventStreamResponse(pooled.events(stream=True))
             return await cancel_on_disconnect(request, _complete(pooled))
-        response = ResponseRun(run, base, output_parser(self.parsers, prompt.text, tools), finish)
+        response = ResponseRun(run, base, output_parser(self.parsers, prompt.text, tools), finish, bool(req.background))
         if req.background:
             self.background.start(response)
             if req.stream:  # a disconnect only stops following: the run goes on
@@ -219,8 +212,7 @@ class ResponsesService:
 
         async def render(kept: list[dict[str, Any]]) -> Prompt:
             history = self.extension.prepare_responses_history(system + kept)
-            text = self.renderer.render(history, tools.template_tools(), template_kwargs, param="input")
-            return await tokenized(self.engine.tokenizer, text)
+            return await self.preamble.render(RESPONSES, history, tools, template_kwargs)
 
         prompt = await render(messages)
         room = self.engine.max_model_len - (max_tokens or 1)
