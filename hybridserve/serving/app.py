@@ -26,6 +26,7 @@ from hybridserve.serving.openai.models import ModelsService
 from hybridserve.serving.openai.openapi import errors, json_body, publish
 from hybridserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hybridserve.serving.openai.responses.protocol import ResponsesRequest
+from hybridserve.serving.openai.responses.service import ResponsesService
 from hybridserve.serving.openai.responses.store import ResponseStore, Retention
 from hybridserve.serving.parsers import Parsers
 from hybridserve.serving.postprocess import PostprocessPool
@@ -93,6 +94,41 @@ def build_app(
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
+    _add_service_routes(app, engine, metrics, models)
+
+    generation_errors = errors(400, 404, 413, 503)
+
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=json_body(ChatCompletionRequest, streams=True),
+        responses=generation_errors,
+    )
+    async def create_chat_completion(request: Request) -> Response:
+        return await chat.create(await parse_body(request, ChatCompletionRequest, max_body_bytes), request)
+
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest, streams=True), responses=generation_errors)
+    async def create_completion(request: Request) -> Response:
+        return await completions.create(await parse_body(request, CompletionRequest, max_body_bytes), request)
+
+    _add_responses_routes(app, responses, max_body_bytes)
+
+    files_and_batches = add_files_and_batches(
+        app,
+        db,
+        None if held is None else held.path,
+        services.batch_endpoints(),
+        metrics,
+        batch_settings or BatchSettings(),
+        max_body_bytes,
+        engine.check_health,
+    )
+    publish(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, CreateBatchRequest])
+    return app
+
+
+def _add_service_routes(app: FastAPI, engine: ServingEngine, metrics: ServingMetrics, models: ModelsService) -> None:
+    """/health, /version, /metrics and /v1/models."""
+
     @app.get("/health", responses=errors(503))
     async def health() -> Response:
         try:
@@ -121,19 +157,9 @@ def build_app(
     async def retrieve_model(model: str) -> Response:
         return json_response(models.retrieve(model))
 
-    generation_errors = errors(400, 404, 413, 503)
 
-    @app.post(
-        "/v1/chat/completions",
-        openapi_extra=json_body(ChatCompletionRequest, streams=True),
-        responses=generation_errors,
-    )
-    async def create_chat_completion(request: Request) -> Response:
-        return await chat.create(await parse_body(request, ChatCompletionRequest, max_body_bytes), request)
-
-    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest, streams=True), responses=generation_errors)
-    async def create_completion(request: Request) -> Response:
-        return await completions.create(await parse_body(request, CompletionRequest, max_body_bytes), request)
+def _add_responses_routes(app: FastAPI, responses: ResponsesService, max_body_bytes: int) -> None:
+    """/v1/responses: create, retrieve (or replay a background one's events), cancel, delete, input items."""
 
     @app.post(
         "/v1/responses",
@@ -160,19 +186,6 @@ def build_app(
     @app.get("/v1/responses/{response_id}/input_items", responses=errors(400, 404))
     async def list_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None):
         return json_response(responses.input_items(response_id, limit, order, after))
-
-    files_and_batches = add_files_and_batches(
-        app,
-        db,
-        None if held is None else held.path,
-        services.batch_endpoints(),
-        metrics,
-        batch_settings or BatchSettings(),
-        max_body_bytes,
-        engine.check_health,
-    )
-    publish(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, CreateBatchRequest])
-    return app
 
 
 def default_parsers(

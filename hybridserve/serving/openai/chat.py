@@ -139,6 +139,15 @@ async def _complete(
     return json_response(body)
 
 
+def _delta(piece: Piece, call_index: int) -> dict[str, Any]:
+    """A streamed chunk's delta for one parsed piece of output (a tool call: the choice's `call_index`-th)."""
+    if isinstance(piece, Text):
+        return {"content": piece.text}
+    if isinstance(piece, Reasoning):
+        return {"reasoning_content": piece.text}
+    return {"tool_calls": [_tool_call(piece, call_index)]}
+
+
 async def _stream(
     run: GenerationRun,
     head: dict,
@@ -167,14 +176,9 @@ async def _stream(
 
     def piece_chunks(index: int, pieces: list[Piece], logprobs: dict | None) -> Iterator[bytes]:
         for piece in pieces:
-            if isinstance(piece, Text):
-                delta: dict[str, Any] = {"content": piece.text}
-            elif isinstance(piece, Reasoning):
-                delta = {"reasoning_content": piece.text}
-            else:
-                delta = {"tool_calls": [_tool_call(piece, calls[index])]}
+            yield chunk(index, _delta(piece, calls[index]), logprobs)
+            if isinstance(piece, ToolCall):
                 calls[index] += 1
-            yield chunk(index, delta, logprobs)
             logprobs = None
         if logprobs is not None:  # tokens whose text is held back still report their logprobs
             yield chunk(index, {"content": ""}, logprobs)
