@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 # The engines the tests start take their KV cache's pages as used: written whole at start-up (the serving
-# default), each would cost seconds and its whole cache in memory. Set before hybridserve.config is imported,
-# for the engines in this process and in the servers it starts.
+# default), each would cost seconds and its whole cache in memory. The servers they start read it through the CLI's
+# --kv-cache-prefault default; the engines built in this process say kv_cache_prefault=False themselves.
 os.environ.setdefault("HYBRIDSERVE_KV_CACHE_PREFAULT", "0")
 
 import importlib.util

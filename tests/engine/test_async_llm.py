@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir) -> LLM:
-    return LLM(str(smollm2_dir), dtype="float32", device="cpu")
+    return LLM(str(smollm2_dir), dtype="float32", device="cpu", kv_cache_prefault=False)
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def test_an_idle_engine_wakes_for_the_next_request(llm: LLM, engine: AsyncLLM):
 
 def test_online_requests_are_admitted_before_waiting_batch_work(smollm2_dir):
     """One sequence at a time: two batch requests (priority 1) queued before an online one (0) run after it."""
-    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", max_num_seqs=1)
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", max_num_seqs=1, kv_cache_prefault=False)
     client = InprocEngineClient(llm.core, llm.config)
     engine = AsyncLLM(client, llm.tokenizer, "smollm2", llm.eos_token_ids, smollm2_dir)
     prompt = _prompts(llm)[0]

@@ -48,35 +48,40 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(smollm2_dir) -> tuple[list[list[int]], list[list[int]]]:
-    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", enable_prefix_caching=False)
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", enable_prefix_caching=False, kv_cache_prefault=False)
     prompts = _prompts(llm)
     return prompts, [_run(llm, [p])[0] for p in prompts]
 
 
 def test_batch_of_16_mixed_lengths(smollm2_dir, reference):
     prompts, alone = reference
-    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", enable_prefix_caching=False)
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", enable_prefix_caching=False, kv_cache_prefault=False)
     assert _run(llm, prompts) == alone
 
 
 def test_tiny_prefill_chunks(smollm2_dir, reference):
     prompts, alone = reference
     llm = LLM(
-        str(smollm2_dir), dtype="float32", device="cpu", long_prefill_token_threshold=5, max_num_batched_tokens=24
+        str(smollm2_dir),
+        dtype="float32",
+        device="cpu",
+        long_prefill_token_threshold=5,
+        max_num_batched_tokens=24,
+        kv_cache_prefault=False,
     )
     assert _run(llm, prompts) == alone
 
 
 def test_preemption_under_tiny_kv_budget(smollm2_dir, reference):
     prompts, alone = reference
-    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=40)
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=40, kv_cache_prefault=False)
     assert _run(llm, prompts) == alone
     assert llm.core.scheduler.num_preemptions > 0
 
 
 def test_prefix_cache_hit(smollm2_dir, reference):
     prompts, alone = reference
-    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", block_size=8)
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", block_size=8, kv_cache_prefault=False)
     first = llm.generate(prompts[:4], PARAMS)
     again = llm.generate(prompts[:4], PARAMS)
     llm.core.check_integrity()
@@ -87,7 +92,7 @@ def test_prefix_cache_hit(smollm2_dir, reference):
 
 
 def test_n_choices_share_the_prompt_and_seeds_reproduce(smollm2_dir):
-    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu")
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", kv_cache_prefault=False)
     prompt = llm.chat_prompt([{"role": "user", "content": "Name a colour."}])
     params = SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=7, ignore_eos=True)
     a = [c.token_ids for c in llm.generate([prompt], params)[0].outputs]
@@ -100,7 +105,7 @@ def test_n_choices_share_the_prompt_and_seeds_reproduce(smollm2_dir):
 def test_pytorch_ops_give_the_same_tokens(smollm2_dir, reference):
     """PyTorch ops only (as on CUDA, or with no C compiler) give the tokens the native kernels gave above."""
     prompts, alone = reference
-    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", native_kernels=False)
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", native_kernels=False, kv_cache_prefault=False)
     assert llm.core.runner.backend.attention is None
     assert _run(llm, prompts) == alone
 
@@ -113,7 +118,7 @@ def test_bfloat16_batch_of_16_equals_each_alone(smollm2_dir):
             pytest.skip("no native bfloat16 matmul on this CPU (needs AVX512-BF16)")
     except KernelUnavailable as exc:
         pytest.skip(str(exc))
-    llm = LLM(str(smollm2_dir), dtype="bfloat16", device="cpu", enable_prefix_caching=False)
+    llm = LLM(str(smollm2_dir), dtype="bfloat16", device="cpu", enable_prefix_caching=False, kv_cache_prefault=False)
     prompts = _prompts(llm)
     alone = [_run(llm, [p])[0] for p in prompts]
     assert _run(llm, prompts) == alone
@@ -129,15 +134,20 @@ def test_bfloat16_prefill_in_chunks_or_after_a_prefix_hit_gives_the_same_tokens(
             pytest.skip("native prefill attention needs AVX512-BF16")
     except KernelUnavailable as exc:
         pytest.skip(str(exc))
-    llm = LLM(str(smollm2_dir), dtype="bfloat16", device="cpu", enable_prefix_caching=False)
+    llm = LLM(str(smollm2_dir), dtype="bfloat16", device="cpu", enable_prefix_caching=False, kv_cache_prefault=False)
     assert llm.core.runner.backend.attention is not None and llm.core.runner.backend.attention.prefills
     prompts = _prompts(llm)
     whole = _run(llm, prompts)
     chunked = LLM(
-        str(smollm2_dir), dtype="bfloat16", device="cpu", enable_prefix_caching=False, long_prefill_token_threshold=7
+        str(smollm2_dir),
+        dtype="bfloat16",
+        device="cpu",
+        enable_prefix_caching=False,
+        long_prefill_token_threshold=7,
+        kv_cache_prefault=False,
     )
     assert _run(chunked, prompts) == whole
-    cached = LLM(str(smollm2_dir), dtype="bfloat16", device="cpu")
+    cached = LLM(str(smollm2_dir), dtype="bfloat16", device="cpu", kv_cache_prefault=False)
     _run(cached, prompts[:1])  # the chat template's prefix and the first prompt are cached now
     assert _run(cached, prompts) == whole
     assert cached.core.kv.prefix_hits > 0

@@ -51,6 +51,7 @@ def _llm(smollm2_dir, **kwargs) -> LLM:
         num_kv_blocks=BLOCKS,
         max_num_seqs=16,
         **kwargs,
+        kv_cache_prefault=False,
     )
 
 

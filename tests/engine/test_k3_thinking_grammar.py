@@ -113,7 +113,7 @@ def test_engine_output_parses_into_schema_valid_content(kimi_k3_dir):
         excludes=(THINK_CLOSE, MESSAGE_CLOSE),
         free_max_tokens=6,
     )
-    llm = LLM(str(kimi_k3_dir), dtype="float32", device="cpu", enable_prefix_caching=False)
+    llm = LLM(str(kimi_k3_dir), dtype="float32", device="cpu", enable_prefix_caching=False, kv_cache_prefault=False)
     prompt_text = f'<|open|>message role="user"<|sep|>Answer in JSON.{MESSAGE_CLOSE}{END}'
     prompt_text += f'<|open|>message role="assistant"<|sep|>{THINK_OPEN}'
     prompt = llm.tokenizer.encode(prompt_text, add_special_tokens=False)

@@ -25,7 +25,7 @@ def _prompts(llm: LLM) -> list[list[int]]:
 
 def _llm(hf_dir, **kwargs) -> LLM:
     kwargs.setdefault("enable_prefix_caching", False)
-    return LLM(str(hf_dir), dtype="float32", device="cpu", **kwargs)
+    return LLM(str(hf_dir), dtype="float32", device="cpu", **kwargs, kv_cache_prefault=False)
 
 
 def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = PARAMS) -> list[list[int]]:

@@ -34,7 +34,9 @@ def run(llm: LLM, plan: SchedulerOutput) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir) -> LLM:
-    return LLM(str(smollm2_dir), dtype="float32", device="cpu", block_size=BS, num_kv_blocks=64)
+    return LLM(
+        str(smollm2_dir), dtype="float32", device="cpu", block_size=BS, num_kv_blocks=64, kv_cache_prefault=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +149,15 @@ def test_plans_survive_serialisation(prompts) -> None:
 def test_hybrid_model_resumes_exactly_from_a_snapshot_the_plan_saved(kimi_linear_dir) -> None:
     """A plan zeroes a slot, prefills to a block boundary and saves the slot; a second request restores that
     snapshot into another slot, shares the first block's KV, and computes the rest: same logits, same token."""
-    llm = LLM(str(kimi_linear_dir), dtype="float32", device="cpu", block_size=8, num_kv_blocks=16, num_state_slots=2)
+    llm = LLM(
+        str(kimi_linear_dir),
+        dtype="float32",
+        device="cpu",
+        block_size=8,
+        num_kv_blocks=16,
+        num_state_slots=2,
+        kv_cache_prefault=False,
+    )
     runner = llm.core.runner
     assert runner.state_tensors is not None and runner.num_state_snapshots == 2
     prompt = list(range(3, 23))  # 20 tokens: a boundary at 8 and 16

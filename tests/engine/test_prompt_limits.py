@@ -16,7 +16,14 @@ TOO_LONG = (
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir) -> LLM:
-    return LLM(str(smollm2_dir), dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=8)
+    return LLM(
+        str(smollm2_dir),
+        dtype="float32",
+        device="cpu",
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=8,
+        kv_cache_prefault=False,
+    )
 
 
 def test_the_frontend_refuses_before_the_engine(llm):

@@ -25,6 +25,7 @@ def llm(smollm2_dir) -> LLM:
         num_kv_blocks=256,
         max_num_batched_tokens=64,
         long_prefill_token_threshold=5,
+        kv_cache_prefault=False,
     )
 
 

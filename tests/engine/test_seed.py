@@ -7,7 +7,7 @@ PARAMS = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
 
 
 def _unseeded_sample(smollm2_dir, seed: int) -> list[int]:
-    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", seed=seed)
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", seed=seed, kv_cache_prefault=False)
     return llm.generate(["Once upon a time"], PARAMS)[0].outputs[0].token_ids
 
 

@@ -41,7 +41,9 @@ def test_config_parses_vllm_json():
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 2}'
     )
     assert config == SpeculativeConfig("ngram", 3, prompt_lookup_max=5, prompt_lookup_min=2)
-    as_mapping = EngineConfig.of(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    as_mapping = EngineConfig.of(
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2}, kv_cache_prefault=False
+    )
     assert as_mapping.scheduler.speculative_config == SpeculativeConfig("ngram", 2)
     text = '{"method": "suffix", "num_speculative_tokens": 8, "weight_read_tokens": 12.5}'
     assert parse_speculative_config(text) == SpeculativeConfig("suffix", 8, weight_read_tokens=12.5)
@@ -357,7 +359,7 @@ def test_grammar_mask_rows_follow_their_requests():
 
 
 def _llm(smollm2_dir, **config) -> LLM:
-    return LLM(str(smollm2_dir), dtype="float32", device="cpu", **config)
+    return LLM(str(smollm2_dir), dtype="float32", device="cpu", **config, kv_cache_prefault=False)
 
 
 @pytest.fixture(scope="module")

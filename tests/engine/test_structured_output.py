@@ -36,7 +36,7 @@ def _params(spec: StructuredOutput | None, **kw: object) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir) -> LLM:
-    return LLM(str(smollm2_dir), dtype="float32", device="cpu")
+    return LLM(str(smollm2_dir), dtype="float32", device="cpu", kv_cache_prefault=False)
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +218,9 @@ def test_preemption_keeps_the_output(smollm2_dir, llm):
     prompts = [llm.chat_prompt([{"role": "user", "content": f"Describe {who} as JSON."}]) for who in WHO]
     params = _params(PERSON_SPEC)
     reference = [o.outputs[0].text for o in llm.generate(prompts, params)]
-    tight = LLM(str(smollm2_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=40)
+    tight = LLM(
+        str(smollm2_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=40, kv_cache_prefault=False
+    )
     outs = [o.outputs[0] for o in tight.generate(prompts, params)]
     assert tight.core.scheduler.num_preemptions > 0
     assert [o.text for o in outs] == reference
@@ -244,7 +246,9 @@ def test_through_the_worker_process(smollm2_dir):
         last = [out async for out in engine.generate(prompt, _params(PERSON_SPEC), "good")][-1].output
         return last.finish_reason, last.text
 
-    engine = build_engine(EngineConfig.of(model=str(smollm2_dir), dtype="float32", device="cpu"))
+    engine = build_engine(
+        EngineConfig.of(model=str(smollm2_dir), dtype="float32", device="cpu", kv_cache_prefault=False)
+    )
     try:
         finish_reason, text = asyncio.run(main(engine))
     finally:

@@ -163,7 +163,7 @@ def test_a_later_request_drafts_from_an_earlier_output():
 
 
 def _llm(hf_dir, **config) -> LLM:
-    return LLM(str(hf_dir), dtype="float32", device="cpu", **config)
+    return LLM(str(hf_dir), dtype="float32", device="cpu", **config, kv_cache_prefault=False)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ def _runner(hf_dir, native_kernels: bool = True) -> ModelRunner:
         num_kv_blocks=64,
         num_state_slots=2,
         native_kernels=native_kernels,
+        kv_cache_prefault=False,
     )
     return ModelRunner(config, hf_dir)
 

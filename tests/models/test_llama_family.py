@@ -58,7 +58,9 @@ def save_random(config, path: Path) -> Path:
 def test_logits_match_transformers(arch: str, native: bool, tmp_path: Path) -> None:
     path = save_random(CONFIGS[arch](), tmp_path / arch)
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    config = EngineConfig.of(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, native_kernels=native)
+    config = EngineConfig.of(
+        dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, native_kernels=native, kv_cache_prefault=False
+    )
     runner = ModelRunner(config, path)
     ids = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
@@ -70,10 +72,15 @@ def test_logits_match_transformers(arch: str, native: bool, tmp_path: Path) -> N
 def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
     """Full attention equals sliding-window attention only inside the window: the context stops there."""
     path = save_random(MistralConfig(**TINY, sliding_window=64), tmp_path / "mistral-sw")
-    runner = ModelRunner(EngineConfig.of(dtype="float32", device="cpu", num_kv_blocks=8), path)
+    runner = ModelRunner(EngineConfig.of(dtype="float32", device="cpu", num_kv_blocks=8, kv_cache_prefault=False), path)
     assert runner.max_position == 64
     qwen = save_random(Qwen2Config(**TINY, sliding_window=64, use_sliding_window=False), tmp_path / "qwen2-no-sw")
-    assert ModelRunner(EngineConfig.of(dtype="float32", device="cpu", num_kv_blocks=8), qwen).max_position == 512
+    assert (
+        ModelRunner(
+            EngineConfig.of(dtype="float32", device="cpu", num_kv_blocks=8, kv_cache_prefault=False), qwen
+        ).max_position
+        == 512
+    )
 
 
 def test_unknown_architecture_is_named(tmp_path: Path) -> None:
@@ -82,4 +89,4 @@ def test_unknown_architecture_is_named(tmp_path: Path) -> None:
     cfg = (path / "config.json").read_text().replace('"LlamaForCausalLM"', '"GPT2LMHeadModel"')
     (path / "config.json").write_text(cfg)
     with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\]"):
-        ModelRunner(EngineConfig.of(dtype="float32", device="cpu", num_kv_blocks=8), path)
+        ModelRunner(EngineConfig.of(dtype="float32", device="cpu", num_kv_blocks=8, kv_cache_prefault=False), path)

@@ -25,7 +25,12 @@ BLOCK = 4
 def runner(smollm2_dir, request) -> ModelRunner:
     """Both ways the engine computes a layer on CPU; the PyTorch-ops one is also what CUDA runs."""
     config = EngineConfig.of(
-        dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256, native_kernels=request.param
+        dtype="float32",
+        device="cpu",
+        block_size=BLOCK,
+        num_kv_blocks=256,
+        native_kernels=request.param,
+        kv_cache_prefault=False,
     )
     runner = ModelRunner(config, smollm2_dir)
     assert (runner.backend.attention is not None) == request.param
@@ -41,7 +46,9 @@ def _block_matmuls(runner: ModelRunner) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir) -> LLM:
-    return LLM(str(smollm2_dir), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=512)
+    return LLM(
+        str(smollm2_dir), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=512, kv_cache_prefault=False
+    )
 
 
 def _chat_ids(tokenizer, text: str) -> list[int]:
@@ -69,7 +76,9 @@ def test_gguf_blocks_give_the_float32_weights_logits_bitwise(runner, smollm2_dir
     (the head's full logits included): prefill and decode against the same engine reading float32 copies."""
     if runner.backend.attention is None:
         pytest.skip("GGUF blocks are read by the native kernels only")
-    config = EngineConfig.of(dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256, gguf_blocks=False)
+    config = EngineConfig.of(
+        dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256, gguf_blocks=False, kv_cache_prefault=False
+    )
     floats = ModelRunner(config, smollm2_dir)
     assert _block_matmuls(floats) == {}
     ids = _chat_ids(llm.tokenizer, PROMPTS[2])

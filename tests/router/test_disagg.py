@@ -63,7 +63,7 @@ async def _run(engine: AsyncLLM) -> list[list[tuple[list[int], list[float]]]]:
 
 def _aggregated(model: Path) -> list:
     """The reference: the same engine in this process (what one aggregated worker runs, without the process)."""
-    llm = LLM(str(model), **ENGINE)
+    llm = LLM(str(model), **ENGINE, kv_cache_prefault=False)
     client = InprocEngineClient(llm.core, llm.config)
     engine = AsyncLLM(client, llm.tokenizer, "m", llm.eos_token_ids, model, sampling_defaults(model))
     results = asyncio.run(_run(engine))
@@ -72,7 +72,7 @@ def _aggregated(model: Path) -> list:
 
 
 def _disaggregated(model: Path, staging_min_run: float) -> tuple[list, dict]:
-    config = EngineConfig.of(model=str(model), **ENGINE, kv_staging_min_run=staging_min_run)
+    config = EngineConfig.of(model=str(model), **ENGINE, kv_staging_min_run=staging_min_run, kv_cache_prefault=False)
     engine = build_engine(config, DISAGGREGATED)
 
     async def go() -> tuple[list, dict]:

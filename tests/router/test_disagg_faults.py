@@ -128,7 +128,9 @@ def run_on(kimi_linear_dir: Path) -> Iterator[Callable[[str, Scenario], None]]:
 
     def run(policy: str, scenario: Scenario) -> None:
         if policy not in engines:
-            config = EngineConfig.of(model=str(kimi_linear_dir), **ENGINE, kv_transfer_failure=policy)
+            config = EngineConfig.of(
+                model=str(kimi_linear_dir), **ENGINE, kv_transfer_failure=policy, kv_cache_prefault=False
+            )
             engines[policy] = build_engine(config, DEPLOYMENT)
         loop.run_until_complete(asyncio.wait_for(scenario(engines[policy]), 4 * TIMEOUT_S))
 
@@ -232,9 +234,16 @@ def test_incompatible_peer_fails_only_its_requests(kimi_linear_dir: Path) -> Non
     """A prefill worker whose KV blocks are twice as long: the decode worker refuses it at first contact,
     naming the difference, remembers that, and fails only the requests that would read from it."""
     base = {"model": str(kimi_linear_dir), "kv_cache_memory_bytes": 16 * 1024**2, "num_threads": 1}
-    good = EngineCore(EngineConfig.of(**base, dtype="float32", role="prefill"), kimi_linear_dir)
-    bad = EngineCore(EngineConfig.of(**base, dtype="float32", block_size=32, role="prefill"), kimi_linear_dir)
-    decode = EngineCore(EngineConfig.of(**base, dtype="float32", role="decode"), kimi_linear_dir)
+    good = EngineCore(
+        EngineConfig.of(**base, dtype="float32", role="prefill", kv_cache_prefault=False), kimi_linear_dir
+    )
+    bad = EngineCore(
+        EngineConfig.of(**base, dtype="float32", block_size=32, role="prefill", kv_cache_prefault=False),
+        kimi_linear_dir,
+    )
+    decode = EngineCore(
+        EngineConfig.of(**base, dtype="float32", role="decode", kv_cache_prefault=False), kimi_linear_dir
+    )
     assert good.connector and bad.connector and decode.connector
     decode.connector.add_peer(good.connector.endpoint)
     decode.connector.add_peer(bad.connector.endpoint)
@@ -270,7 +279,11 @@ def test_a_held_request_aborted_by_its_frontend_is_let_go_at_once(kimi_linear_di
     """The client left while its prefill finished (or no decode worker was up): the frontend aborts the held copy
     on the prefill worker, which frees it without waiting for the lease and tells nobody."""
     config = EngineConfig.of(
-        model=str(kimi_linear_dir), kv_cache_memory_bytes=16 * 1024**2, num_threads=1, role="prefill"
+        model=str(kimi_linear_dir),
+        kv_cache_memory_bytes=16 * 1024**2,
+        num_threads=1,
+        role="prefill",
+        kv_cache_prefault=False,
     )
     core = EngineCore(config, kimi_linear_dir)
     assert core.connector is not None
@@ -291,8 +304,13 @@ def test_a_request_behind_a_held_one_waits_for_its_state_slot(kimi_linear_dir: P
     """A prefill worker with one state slot holds a prefilled request until its decode worker reads it; the next
     request waits for that slot (it used to fail at once, told the cache was too small for it), then prefills."""
     base = {"model": str(kimi_linear_dir), "kv_cache_memory_bytes": 16 * 1024**2, "num_threads": 1}
-    prefill = EngineCore(EngineConfig.of(**base, dtype="float32", max_num_seqs=1, role="prefill"), kimi_linear_dir)
-    decode = EngineCore(EngineConfig.of(**base, dtype="float32", role="decode"), kimi_linear_dir)
+    prefill = EngineCore(
+        EngineConfig.of(**base, dtype="float32", max_num_seqs=1, role="prefill", kv_cache_prefault=False),
+        kimi_linear_dir,
+    )
+    decode = EngineCore(
+        EngineConfig.of(**base, dtype="float32", role="decode", kv_cache_prefault=False), kimi_linear_dir
+    )
     assert prefill.connector and decode.connector
     decode.connector.add_peer(prefill.connector.endpoint)
     prompt = list(range(10, 60))

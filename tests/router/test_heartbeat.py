@@ -38,7 +38,7 @@ async def _generate(engine: AsyncLLM, prompt: list[int], rid: str) -> tuple[list
 
 
 def test_a_step_longer_than_the_heartbeat_deadline_leaves_the_worker_up(smollm2_dir: Path) -> None:
-    engine = build_engine(EngineConfig.of(model=str(smollm2_dir), **ENGINE), DEPLOYMENT)
+    engine = build_engine(EngineConfig.of(model=str(smollm2_dir), **ENGINE, kv_cache_prefault=False), DEPLOYMENT)
     link = engine.client.links[0]
     prompt = engine.tokenizer.encode("Tell me about the weather in every city you know. " * 170)[:1000]
     other = engine.tokenizer.encode("Name every river you have heard of, and where it flows. " * 150)[:1000]

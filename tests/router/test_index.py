@@ -39,7 +39,9 @@ def test_events_keep_the_index_equal_to_the_cache(model, smollm2_dir: Path, requ
     hf_dir = smollm2_dir if model == "smollm2" else request.getfixturevalue("kimi_linear_dir")
     events = KVEventLog()
     # A small pool, so admissions evict cached blocks (and snapshots) all the time.
-    config = EngineConfig.of(dtype="float32", device="cpu", num_kv_blocks=40, max_num_seqs=4, num_state_snapshots=6)
+    config = EngineConfig.of(
+        dtype="float32", device="cpu", num_kv_blocks=40, max_num_seqs=4, num_state_snapshots=6, kv_cache_prefault=False
+    )
     core = EngineCore(config, hf_dir, events)
     index = KVIndex()
     index.add_worker("w", core.runner.num_state_slots > 0)

@@ -249,7 +249,7 @@ def test_the_router_index_equals_each_workers_cache(workers, smollm2_dir: Path) 
     """An in-process frontend over the two good workers: after a workload its index is, block for block,
     what each worker reports it holds."""
     urls = [workers["urls"]["a"], workers["urls"]["b"]]
-    config = EngineConfig.of(model=str(smollm2_dir), dtype="float32")
+    config = EngineConfig.of(model=str(smollm2_dir), dtype="float32", kv_cache_prefault=False)
     engine = build_engine(config, DeploymentConfig(workers=urls, worker_timeout=WORKER_TIMEOUT_S))
     router = engine.client
 

@@ -36,7 +36,10 @@ def biased_llama(tmp_path_factory) -> Path:
 
 
 def _runner(path: Path, dtype: str, block_size: int) -> ModelRunner:
-    runner = ModelRunner(EngineConfig.of(dtype=dtype, device="cpu", block_size=block_size, num_kv_blocks=64), path)
+    runner = ModelRunner(
+        EngineConfig.of(dtype=dtype, device="cpu", block_size=block_size, num_kv_blocks=64, kv_cache_prefault=False),
+        path,
+    )
     if runner.model.decoder_stack is None:
         pytest.skip(f"no native {dtype} decoder stack on this CPU")
     return runner
@@ -113,10 +116,14 @@ def test_stack_matches_transformers_greedy(biased_llama: Path) -> None:
 def test_models_the_stack_cannot_run_go_layer_by_layer(tmp_path: Path, caplog) -> None:
     path = save_random(Qwen3Config(**TINY, head_dim=16), tmp_path / "qwen3")
     with caplog.at_level(logging.INFO, logger="hybridserve.engine"):
-        runner = ModelRunner(EngineConfig.of(dtype="float32", device="cpu", block_size=4, num_kv_blocks=8), path)
+        runner = ModelRunner(
+            EngineConfig.of(dtype="float32", device="cpu", block_size=4, num_kv_blocks=8, kv_cache_prefault=False), path
+        )
     assert runner.model.decoder_stack is None
     assert "decode-only steps go layer by layer: the stack has no per-head QK norm (Qwen3)" in caplog.text
-    config = EngineConfig.of(dtype="float32", device="cpu", block_size=4, num_kv_blocks=8, native_kernels=False)
+    config = EngineConfig.of(
+        dtype="float32", device="cpu", block_size=4, num_kv_blocks=8, native_kernels=False, kv_cache_prefault=False
+    )
     assert ModelRunner(config, path).model.decoder_stack is None
 
 

@@ -123,7 +123,13 @@ def test_greedy_generation_is_token_for_token_the_full_heads(
 ) -> None:
     """The default model: a batch of greedy requests gives the same tokens with the greedy head as with the full
     head and the sampler's argmax; a request that wants logprobs takes the full head alongside."""
-    llm = LLM(str(smollm2_dir), dtype=str(dtype).removeprefix("torch."), device="cpu", enable_prefix_caching=False)
+    llm = LLM(
+        str(smollm2_dir),
+        dtype=str(dtype).removeprefix("torch."),
+        device="cpu",
+        enable_prefix_caching=False,
+        kv_cache_prefault=False,
+    )
     head = llm.core.runner.model.lm_head
     assert isinstance(head, NativeLinear) and head.argmax_tables is not None
     prompts = [f"Write a short poem about {t}." for t in ("the sea", "a clock", "winter", "a fox", "rain", "bread")]

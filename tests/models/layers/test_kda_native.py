@@ -73,7 +73,13 @@ def test_runner_uses_the_kernel_on_cpu_and_falls_back_without_a_compiler(
 ):
     def runner(**kwargs: object) -> ModelRunner:
         config = EngineConfig.of(
-            dtype="float32", device="cpu", block_size=4, num_kv_blocks=8, num_state_slots=1, **kwargs
+            dtype="float32",
+            device="cpu",
+            block_size=4,
+            num_kv_blocks=8,
+            num_state_slots=1,
+            **kwargs,
+            kv_cache_prefault=False,
         )
         return ModelRunner(config, kimi_linear_dir)
 

@@ -161,7 +161,9 @@ def test_router_bias_picks_experts_but_does_not_weight_them():
 
 @pytest.fixture(scope="module")
 def k3_runner(kimi_k3_dir) -> ModelRunner:
-    config = EngineConfig.of(dtype="float32", device="cpu", block_size=4, num_kv_blocks=32, num_state_slots=1)
+    config = EngineConfig.of(
+        dtype="float32", device="cpu", block_size=4, num_kv_blocks=32, num_state_slots=1, kv_cache_prefault=False
+    )
     return ModelRunner(config, kimi_k3_dir)
 
 

@@ -283,16 +283,22 @@ def test_build_is_cached(monkeypatch, tmp_path):
 
 
 def test_runner_uses_the_kernel_on_cpu_and_falls_back_without_a_compiler(smollm2_dir, monkeypatch, tmp_path, caplog):
-    native = ModelRunner(EngineConfig.of(dtype="float32", device="cpu", num_kv_blocks=8), smollm2_dir)
+    native = ModelRunner(
+        EngineConfig.of(dtype="float32", device="cpu", num_kv_blocks=8, kv_cache_prefault=False), smollm2_dir
+    )
     assert native.attention_kernels and native.fused_ops
     assert native.sampler.native is native.fused_ops
-    config = EngineConfig.of(dtype="float32", device="cpu", num_kv_blocks=8, native_kernels=False)
+    config = EngineConfig.of(
+        dtype="float32", device="cpu", num_kv_blocks=8, native_kernels=False, kv_cache_prefault=False
+    )
     stock = ModelRunner(config, smollm2_dir)
     assert stock.attention_kernels is None and stock.sampler.native is None
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-cc")
     with caplog.at_level(logging.WARNING, logger="hybridserve.engine"):
-        runner = ModelRunner(EngineConfig.of(dtype="float32", device="cpu", num_kv_blocks=8), smollm2_dir)
+        runner = ModelRunner(
+            EngineConfig.of(dtype="float32", device="cpu", num_kv_blocks=8, kv_cache_prefault=False), smollm2_dir
+        )
     assert runner.backend.attention is None and runner.sampler.native is None
     assert runner.model.model.norm.native is None and runner.model.model.layers[0].mlp.native is None
     assert "paged attention falls back to PyTorch ops: C compiler 'no-such-cc'" in caplog.text

@@ -308,7 +308,14 @@ def test_quantized_matmuls_keep_their_blocks_and_the_engine_sums_them_bitwise(tm
             assert torch.equal(torch.from_numpy(floats), weights[name]), name
 
     def runner(gguf_blocks: bool) -> ModelRunner:
-        config = EngineConfig.of(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, gguf_blocks=gguf_blocks)
+        config = EngineConfig.of(
+            dtype="float32",
+            device="cpu",
+            block_size=4,
+            num_kv_blocks=64,
+            gguf_blocks=gguf_blocks,
+            kv_cache_prefault=False,
+        )
         return ModelRunner(config, hf_dir)
 
     read, floats = runner(True), runner(False)

@@ -198,7 +198,7 @@ def sdk(smollm2_dir, tmp_path_factory):
     from hybridserve.engine.client import InprocEngineClient
     from hybridserve.engine.llm import LLM
 
-    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu")
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", kv_cache_prefault=False)
     model = AsyncLLM(InprocEngineClient(llm.core, llm.config), llm.tokenizer, "smollm2", llm.eos_token_ids, smollm2_dir)
     with TestClient(build_app(model, None, tmp_path_factory.mktemp("data"))) as http:
         yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=http)
