@@ -6,7 +6,8 @@ by name:
 - `pytorch`: PyTorch ops (on CPU the linear layers packed for oneDNN): what any device runs.
 - `native-cpu`: the C kernels of models/layers/native.py, each falling back to the PyTorch op, with a warning
   naming why, when it cannot be built or does not fit the model.
-- `cuda`: PyTorch ops, decode-only steps of a graph-capturable model replayed from CUDA graphs.
+- `cuda`: PyTorch ops, decode-only steps of a graph-capturable model replayed from CUDA graphs (any backend
+  replays them where `decode_graphs.available` says the device captures them: only CUDA).
 """
 
 from __future__ import annotations
@@ -65,8 +66,14 @@ class Backend:
         """Loads the kernels a step runs over this cache layout and hands them to the model's modules."""
 
     def captures_decode_graphs(self, model: CausalLM, layout: CacheLayout) -> bool:
-        """Whether decode-only steps replay CUDA graphs (the KV cache then needs a padding block)."""
-        return False
+        """Whether decode-only steps replay CUDA graphs (the KV cache then needs a padding block): where the device
+        can capture them (decode_graphs.available), for a graph-capturable model without recurrent state."""
+        return (
+            self.config.cuda_graphs
+            and decode_graphs.available(self.device)
+            and model.graph_capturable
+            and not layout.state_specs
+        )
 
 
 class NativeCPUBackend(Backend):
@@ -140,15 +147,9 @@ class NativeCPUBackend(Backend):
 
 
 class CUDABackend(Backend):
-    name = "cuda"
+    """PyTorch ops on CUDA, where decode_graphs.available lets decode-only steps replay CUDA graphs."""
 
-    def captures_decode_graphs(self, model: CausalLM, layout: CacheLayout) -> bool:
-        return (
-            self.config.cuda_graphs
-            and decode_graphs.available(self.device)
-            and model.graph_capturable
-            and not layout.state_specs
-        )
+    name = "cuda"
 
 
 BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (Backend, NativeCPUBackend, CUDABackend)}
