@@ -9,7 +9,7 @@ float32, whose kernel runs on any CPU). For each prompt length L:
   random cache: `PagedAttention.prefill` against `F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`
   on the same queries, keys and values, the median of `--repeats` calls, with the causal FLOPs per second;
 - a whole prefill of L random tokens (one request, `max_tokens=1`) by one engine, the native prefill switched
-  off and on in turns (`attention_kernels.prefills`), the median of `--repeats` each: the in-process TTFT.
+  off and on in turns (`backend.attention.prefills`), the median of `--repeats` each: the in-process TTFT.
 Writes <out>/prefill_attention.csv and .png (prefill_attention_float32.* in float32) and prints a markdown
 table; progress goes to stderr.
 """

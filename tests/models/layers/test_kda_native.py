@@ -87,13 +87,13 @@ def test_runner_uses_the_kernel_on_cpu_and_falls_back_without_a_compiler(
         return {type(m).__name__ for m in r.model.modules() if getattr(m, "native", None) is not None}
 
     native = runner()
-    assert native.state_kernel is not None
+    assert native.backend.state_kernel is not None
     assert fused(native) == {"RMSNorm", "GatedMLP", "Experts"}  # the tiny checkpoint has dense and MoE layers
     off = runner(native_kernels=False)
-    assert off.state_kernel is None and fused(off) == set()
+    assert off.backend.state_kernel is None and fused(off) == set()
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-cc")
     with caplog.at_level(logging.WARNING, logger="hybridserve.engine"):
         fallback = runner()
-    assert fallback.state_kernel is None and fused(fallback) == set()
+    assert fallback.backend.state_kernel is None and fused(fallback) == set()
     assert "KDA decode falls back to PyTorch ops: C compiler 'no-such-cc'" in caplog.text

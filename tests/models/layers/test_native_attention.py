@@ -286,13 +286,13 @@ def test_runner_uses_the_kernel_on_cpu_and_falls_back_without_a_compiler(smollm2
     native = ModelRunner(
         EngineConfig.of(dtype="float32", device="cpu", num_kv_blocks=8, kv_cache_prefault=False), smollm2_dir
     )
-    assert native.attention_kernels and native.fused_ops
-    assert native.sampler.native is native.fused_ops
+    assert native.backend.attention and native.backend.fused_ops
+    assert native.sampler.native is native.backend.fused_ops
     config = EngineConfig.of(
         dtype="float32", device="cpu", num_kv_blocks=8, native_kernels=False, kv_cache_prefault=False
     )
     stock = ModelRunner(config, smollm2_dir)
-    assert stock.attention_kernels is None and stock.sampler.native is None
+    assert stock.backend.attention is None and stock.sampler.native is None
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-cc")
     with caplog.at_level(logging.WARNING, logger="hybridserve.engine"):
