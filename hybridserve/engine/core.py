@@ -17,8 +17,9 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.cache.events import KVEventLog
 from hybridserve.engine.cache.manager import KVCacheManager
 from hybridserve.engine.identity import weights_fingerprint
-from hybridserve.engine.kv_transfer.connector import KVConnector
-from hybridserve.engine.kv_transfer.messages import RemotePrefill
+from hybridserve.engine.kv_transfer.connector_scheduler import ConnectorScheduler
+from hybridserve.engine.kv_transfer.connector_worker import ConnectorWorker
+from hybridserve.engine.kv_transfer.messages import RemotePrefill, TransferEndpoint
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.plan import SchedulerOutput
 from hybridserve.engine.prompt_limits import prompt_problem
@@ -71,14 +72,18 @@ class EngineCore:
         reads = math.inf if spec is None else spec.weight_read_tokens
         if reads is None:
             reads = self.runner.weight_read_tokens()
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.device.type, reads)
-        self.connector: KVConnector | None = None
+        # Disaggregation: the KV connector's worker half moves bytes here, its scheduler half decides in the
+        # scheduler.
+        self.connector: ConnectorWorker | None = None
+        deciding: ConnectorScheduler | None = None
         if config.transfer.role != "both":
             runner = self.runner
             weights = weights_fingerprint(hf_dir)
-            self.connector = KVConnector(
-                config.transfer, runner.layout, runner.kv_caches, runner.device, weights, self.scheduler
-            )
+            self.connector = ConnectorWorker(config.transfer, runner.layout, runner.kv_caches, runner.device, weights)
+            layout = runner.layout
+            agent = self.connector.endpoint.agent
+            deciding = ConnectorScheduler(config.transfer, agent, layout.bytes_per_block, layout.bytes_per_state_slot)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.device.type, reads, deciding)
         self.grammar_bitmask = GrammarBitmask(self.runner.vocab_size)
         self._pending: list[EngineCoreOutput] = []
         self.grammars = GrammarCompiler(hf_dir, self.runner.vocab_size)
@@ -117,6 +122,8 @@ class EngineCore:
         if isinstance(transfer, RemotePrefill) and self.connector is not None:
             if (problem := self.connector.check(transfer.source)) is not None:
                 return problem
+            if (transfer.source.state_slot >= 0) != (self.kv.states is not None):
+                return f"state slot {transfer.source.state_slot} does not fit this model's recurrent state"
             if transfer.source.num_tokens != n:
                 return f"the transfer covers {transfer.source.num_tokens} tokens but the prompt has {n}"
         bad = [t for t in core.prompt_token_ids if not 0 <= t < self.runner.vocab_size]
@@ -136,15 +143,41 @@ class EngineCore:
             req = self.scheduler.requests.get(rid)
             if req is None:
                 continue
-            if req.pull_from is not None and self.connector is not None and not self.connector.abort(req):
-                self._pending.append(EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT))
-                continue  # it keeps its blocks until NIXL lets its read go
+            if req.pull_from is not None and self.connector is not None:
+                assert self.scheduler.connector is not None
+                if not self.scheduler.connector.drop(req):
+                    continue  # its read failed and its client heard; its blocks wait for NIXL
+                self._pending += self._flush_transfer_orders()  # the read cancelled, if it can be at once
+                if req.status is RequestStatus.PULLING:
+                    self._pending.append(EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT))
+                    continue  # it keeps its blocks until NIXL lets its read go
             held = req.status is RequestStatus.HELD  # its client moved on to the decode worker: nobody to tell
-            self.scheduler.finish(req, FinishReason.ABORT)
-            if held and self.connector is not None:
-                self.connector.release(rid)
+            if req.status is not RequestStatus.FINISHED:  # (a cancelled read finished it)
+                self.scheduler.finish(req, FinishReason.ABORT)
             if not held:
                 self._pending.append(req.output([]))
+        if self.connector is not None:
+            self._pending += self._flush_transfer_orders()  # held requests let go: their spans too
+
+    def add_transfer_peer(self, endpoint: TransferEndpoint) -> None:
+        """A prefill worker this decode worker may be asked to read from (the frontend introduces it)."""
+        if self.connector is not None and self.connector.add_peer(endpoint):
+            assert self.scheduler.connector is not None
+            self.scheduler.connector.meet(endpoint.agent, endpoint.lease_s)
+
+    def _flush_transfer_orders(self) -> list[EngineCoreOutput]:
+        """Orders the connector's scheduler half made outside a step's plan go to its worker half at once."""
+        assert self.connector is not None and self.scheduler.connector is not None
+        outputs: list[EngineCoreOutput] = []
+        while orders := self.scheduler.connector.take_orders():
+            if events := self.connector.execute(orders):
+                outputs += self.scheduler.transfer_update(events)
+        return outputs
+
+    @property
+    def held_for_readers(self) -> set[str]:
+        """The requests this prefill worker holds for decode workers to read."""
+        return set(self.scheduler.connector.held) if self.scheduler.connector is not None else set()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or bool(self._compiling)
@@ -152,32 +185,36 @@ class EngineCore:
     @property
     def watching_transfers(self) -> bool:
         """Held requests or reads need a look now and then even with nothing to run (acknowledgements, leases)."""
-        return self.connector is not None and self.connector.busy
+        if self.connector is None or self.scheduler.connector is None:
+            return False
+        return self.connector.busy or self.scheduler.connector.busy
 
     def step(self) -> EngineCoreOutputs:
         outputs, self._pending = self._pending, []
         if self.connector is not None:
-            outputs.extend(self.connector.poll())
+            outputs.extend(self.scheduler.transfer_update(self.connector.poll()))
         if self._compiling:
             outputs.extend(self._admit_compiled())
         if self.scheduler.has_work():
             outputs.extend(self._step())
         elif self._compiling:  # nothing to run until a compile finishes
             wait([c.grammar for c in self._compiling.values()], _COMPILE_WAIT_S, FIRST_COMPLETED)
+        if self.connector is not None:
+            outputs.extend(self._flush_transfer_orders())
         stats = self.stats()
         self.throughput.maybe_log(stats)
         return EngineCoreOutputs(outputs, stats)
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
-        if self.connector is None:
+        if self.connector is None or self.scheduler.connector is None:
             return stats
         c = self.connector.counters
         return msgspec.structs.replace(
             stats,
             kv_pulls_done=c.pulls_done,
             kv_pulls_failed=c.pulls_failed,
-            kv_leases_expired=c.leases_expired,
+            kv_leases_expired=self.scheduler.connector.leases_expired,
             kv_staged=c.staged,
             kv_pulled_kv_bytes=c.kv_bytes,
             kv_pulled_state_bytes=c.state_bytes,
@@ -209,16 +246,16 @@ class EngineCore:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         started: list[EngineCoreOutput] = []
-        admitted_pulls = bool(self.scheduler.new_pulls)
-        if self.connector is not None and admitted_pulls:
-            # The reads run on NIXL's thread while this step computes.
-            started = self.connector.start(self.scheduler.new_pulls, time.monotonic())
-            self.scheduler.new_pulls = []
+        transfer = plan.kv_transfer
+        # Admitted reads start here and run on NIXL's thread while this step computes.
+        if transfer is not None and self.connector is not None and (events := self.connector.execute(transfer)):
+            started = self.scheduler.transfer_update(events)
         hidden = self.runner.forward(plan)  # also a plan with nothing scheduled: it may finish requests
         if not plan.scheduled:
             # Blocks and state slots held for a decode worker or being filled by a read come back by themselves
             # (read, failed, or the lease ends); a read that failed at once may have queued a recompute.
-            if self.scheduler.pulling or self.scheduler.held or admitted_pulls:
+            connector = self.scheduler.connector
+            if (connector is not None and (connector.pulling or connector.held)) or (transfer and transfer.pulls):
                 time.sleep(_PULL_WAIT_S)
                 return started
             return started + self._fail_unschedulable()
@@ -227,7 +264,7 @@ class EngineCore:
         sampled = self.runner.sample(plan, hidden, mask)
         outputs = self.scheduler.update(plan, sampled)
         if self.connector is not None:
-            self.connector.hold(outputs, time.monotonic())
+            self.connector.stage(outputs)
         generated = sum(len(out.new_token_ids) for out in outputs)  # several per request with speculative decoding
         self.throughput.record(plan.num_tokens, generated, time.perf_counter() - start)
         return started + outputs
@@ -260,9 +297,13 @@ class EngineCore:
         unknown = set(self.runner.requests) - set(self.scheduler.requests) - set(self.scheduler.finished_ids)
         if unknown:
             raise AssertionError(f"the runner keeps state of requests {sorted(unknown)} the scheduler does not hold")
-        if self.connector is not None:
-            self.connector.check_integrity()
+        live = {r.request_id for r in self.scheduler.running}
+        if self.connector is not None and (deciding := self.scheduler.connector) is not None:
+            deciding.check_integrity()
+            self.connector.check_integrity(set(deciding.held))
+            if not self.connector.reading <= set(deciding.pulling):
+                raise AssertionError(f"reads {sorted(self.connector.reading - set(deciding.pulling))} of no pull")
+            live |= set(deciding.held) | set(deciding.pulling)
         running_blocks = set(self.kv.req_blocks)
-        live = {r.request_id for r in self.scheduler.running} | set(self.scheduler.held) | set(self.scheduler.pulling)
         if running_blocks != live:
             raise AssertionError(f"requests holding blocks {sorted(running_blocks)} != running {sorted(live)}")

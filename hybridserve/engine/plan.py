@@ -10,6 +10,9 @@ State operations are on slots of the recurrent-state pool and of its snapshot po
 linear-attention layers): before the step a slot is zeroed or overwritten by a snapshot (never both), and after
 the step slots are copied into snapshots. A snapshot saved after this step is findable only from the next plan on.
 
+Disaggregation: the KV connector's scheduler half decides which reads start, which are dropped and which held
+requests are let go; those orders ride in the plan to its worker half, which moves the bytes before the step runs.
+
 With speculative decoding a decoding request's entry carries draft tokens after its last known token; the runner
 samples at every one of those positions and the scheduler keeps the run the sampler accepted.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import msgspec
 
+from hybridserve.engine.kv_transfer.messages import TransferOrders
 from hybridserve.sampling_params import SamplingParams
 
 
@@ -55,6 +59,7 @@ class SchedulerOutput(msgspec.Struct, frozen=True, array_like=True):
     zero_slots: list[int] = []  # state slots to zero before the step
     restore_snapshots: list[tuple[int, int]] = []  # (snapshot, slot): copied before the step
     save_snapshots: list[tuple[int, int]] = []  # (slot, snapshot): copied after the step
+    kv_transfer: TransferOrders | None = None  # disaggregation: the KV connector's decisions, for its worker half
 
     @property
     def num_tokens(self) -> int:

@@ -19,11 +19,12 @@ While more urgent work runs or waits, the less urgent (batch requests beside onl
 `schedule()` writes the step as a plain-data plan (plan.py) for the model runner, and `update(plan, sampled)`
 applies what the runner sampled; in between the scheduler touches no tensor.
 
-Disaggregation adds two states. A prefill worker's RemoteDecode request, once it sampled its first token, is
-HELD: out of the running list, its blocks and state slot kept for the decode worker to read, until released.
-A decode worker's RemotePrefill request is admitted into PULLING (blocks for its prompt and a state slot, no
-step budget) when the transfer gate lets it; the connector reads into them and calls `landed`, and from then on
-it runs like any other request, starting with the first token the prefill worker sampled.
+Disaggregation adds two states, kept by the KV connector's scheduler half (kv_transfer/connector_scheduler.py). A
+prefill worker's RemoteDecode request, once it sampled its first token, is HELD: out of the running list, its
+blocks and state slot kept for the decode worker to read, until released. A decode worker's RemotePrefill request
+is admitted into PULLING (blocks for its prompt and a state slot, no step budget) when the connector has room for
+its read, which the plan orders; once the worker half reports it landed, it runs like any other request, starting
+with the first token the prefill worker sampled (`transfer_update`).
 
 Speculative decoding (`--speculative-config`): a decoding request also takes the tokens its proposer drafts
 (drafting.py) after its last known token, within the step's budget, its output limit and the draft length the
@@ -39,13 +40,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hybridserve.config import SchedulerConfig
 from hybridserve.engine.cache.manager import KVCacheManager
 from hybridserve.engine.drafting import NgramProposer, Proposer, draft_lengths
-from hybridserve.engine.kv_transfer.messages import TransferSource
+from hybridserve.engine.kv_transfer.connector_scheduler import ConnectorScheduler
+from hybridserve.engine.kv_transfer.messages import TransferEvents, TransferSource
 from hybridserve.engine.plan import NewRequest, ScheduledRequest, SchedulerOutput
 from hybridserve.engine.protocol import EngineCoreOutput, FinishReason, SchedulerStats, TokenLogprobs
 from hybridserve.engine.request import Request, RequestStatus
@@ -68,11 +70,17 @@ class _Step:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, device_type: str, weight_read_tokens: float = math.inf
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        device_type: str,
+        weight_read_tokens: float = math.inf,
+        connector: ConnectorScheduler | None = None,
     ) -> None:
         """`weight_read_tokens`: speculative decoding's cost of a step's weight read in tokens (roofline.py): the
         config's, else the engine's measurement (EngineCore decides); unbounded, a request drafts all its
-        proposer offers."""
+        proposer offers. `connector`: the KV connector's scheduler half, on a worker that takes part in
+        disaggregation."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.token_budget(device_type)
         self.chunk_limit = config.long_prefill_token_threshold or self.max_num_batched_tokens
@@ -85,11 +93,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._blocks_sent: dict[str, int] = {}  # per running request: how much of its block table the runner has
         self.finished_ids: list[str] = []  # ended since the last plan, after the runner had seen them
-        self.held: dict[str, Request] = {}  # prefilled for a decode worker, blocks kept until released
-        self.pulling: dict[str, Request] = {}  # blocks being filled by a read from a prefill worker
-        self.new_pulls: list[Request] = []  # admitted into pulling by the last plan: their reads start now
-        self.pull_gate: Callable[[Request], bool] = lambda req: True  # the connector's room for another read
-        self.transfer_agent = ""  # this worker's NIXL agent, named in what it holds for decode workers
+        self.connector = connector
         self._introduced: list[NewRequest] = []  # landed since the last plan: the runner meets them next
         spec = config.speculative_config
         self.proposer: Proposer | None = None
@@ -109,7 +113,11 @@ class Scheduler:
         self.waiting.insert(i, request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pulling)
+        return bool(self.waiting or self.running or self._num_pulling)
+
+    @property
+    def _num_pulling(self) -> int:
+        return len(self.connector.pulling) if self.connector is not None else 0
 
     def schedule(self) -> SchedulerOutput:
         # Work less urgent than the most urgent present (batch beside online) shares a smaller budget, so the
@@ -135,7 +143,8 @@ class Scheduler:
         plan = [self._scheduled(req, n, step.drafts.get(req.request_id)) for req, n in step.scheduled]
         ops = self.kv.take_ops()
         finished, self.finished_ids = self.finished_ids, []
-        return SchedulerOutput(plan, step.new, finished, ops.zero, ops.restore, ops.save)
+        transfer = self.connector.take_orders() if self.connector is not None else None
+        return SchedulerOutput(plan, step.new, finished, ops.zero, ops.restore, ops.save, transfer or None)
 
     def _schedule_running(self, step: _Step) -> bool:
         """The running requests' next tokens (a decode, with its draft, or a prefill chunk), most urgent first;
@@ -177,7 +186,7 @@ class Scheduler:
         """Waiting requests in queue order while budget, sequence slots and blocks last; with `shorter_only`, only
         while each is shorter than every prefill in the plan, and each within the prefill share."""
         budget = step.budget
-        while self.waiting and len(self.running) + len(self.pulling) < self.max_num_seqs:
+        while self.waiting and len(self.running) + self._num_pulling < self.max_num_seqs:
             req = self.waiting[0]
             budget.tokens = self._top_up(step.scheduled, step.capped, budget.tokens, req.priority)
             if not budget.tokens:
@@ -213,31 +222,55 @@ class Scheduler:
         )
 
     def _admit_pull(self, req: Request) -> bool:
-        """Blocks for the prompt and a state slot, to be filled by the read the connector starts after this plan."""
-        source = req.pull_from
-        assert source is not None
-        if not self.pull_gate(req) or not self.kv.allocate(req, source.num_tokens, pulled=True):
+        """Blocks for the prompt and a state slot, to be filled by the read this plan orders."""
+        source, connector = req.pull_from, self.connector
+        assert source is not None and connector is not None
+        if not connector.has_room(req) or not self.kv.allocate(req, source.num_tokens, pulled=True):
             return False
         self.waiting.popleft()
         req.num_cached_tokens = source.num_cached_tokens
         req.move_to(RequestStatus.PULLING)
-        self.pulling[req.request_id] = req
-        self.new_pulls.append(req)
+        rid = req.request_id
+        slot = self.kv.state_slot(rid) if source.state_slot >= 0 else -1
+        connector.pull(req, self.kv.block_ids(rid)[: len(source.block_ids)], slot)
         return True
 
-    def landed(self, req: Request) -> None:
+    def transfer_update(self, events: TransferEvents) -> list[EngineCoreOutput]:
+        """Apply what the connector's worker half reported: reads that landed run, failed ones fail or are
+        prefilled here, stuck ones end for their clients, freed ones give their blocks back; held requests whose
+        readers are done (or whose leases ran out) are let go, and readers still queued keep their leases."""
+        connector = self.connector
+        assert connector is not None
+        outputs: list[EngineCoreOutput] = []
+        for rid in events.landed:
+            self._landed(connector.landed(rid))
+        for rid, why in events.failed:
+            req, error = connector.failed(rid, why)
+            if error is None:
+                self._prefill_locally(req)
+            else:
+                outputs.append(self.fail(req, error))
+        outputs += [connector.stuck(rid, why) for rid, why in events.stuck]
+        for rid in events.freed:
+            self.finish(connector.pulling[rid], FinishReason.ABORT)  # its client heard already
+        for rid in connector.to_release(events.heard):
+            self.release_held(rid)
+        connector.keep_waiting(self.waiting)
+        return outputs
+
+    def _landed(self, req: Request) -> None:
         """Its prompt's KV and state arrived: it runs from the first token on, and its blocks are findable."""
-        del self.pulling[req.request_id]
         req.num_computed_tokens = len(req.prompt_token_ids)
         self.kv.make_findable(req, req.num_computed_tokens)
         req.move_to(RequestStatus.RUNNING)
         self._introduced.append(self._introduce(req))
         self._run(req)
 
-    def prefill_locally(self, req: Request) -> None:
+    def _prefill_locally(self, req: Request) -> None:
         """Its read failed and the policy is to recompute: it gives the blocks back and queues as a local
         prefill of its prompt and first token (first among its priority, it has waited already)."""
-        del self.pulling[req.request_id]
+        assert self.connector is not None
+        self.connector.forget(req.request_id)
         self.kv.free(req)
         req.pull_from = None
         req.move_to(RequestStatus.WAITING)
@@ -245,7 +278,7 @@ class Scheduler:
 
     def release_held(self, request_id: str) -> bool:
         """The decode worker read it (or gave up, or its lease ran out): its blocks and slot go back."""
-        req = self.held.pop(request_id, None)
+        req = self.connector.release(request_id) if self.connector is not None else None
         if req is None:
             return False
         req.finish(FinishReason.STOP)
@@ -254,14 +287,13 @@ class Scheduler:
 
     def _hold(self, req: Request) -> TransferSource:
         """After its first token: out of the running list, its blocks and state slot kept for the reader."""
+        assert self.connector is not None
         req.move_to(RequestStatus.HELD)
-        self.held[req.request_id] = req
         self._blocks_sent.pop(req.request_id, None)
         self.finished_ids.append(req.request_id)
         slot = self.kv.state_slot(req.request_id) if self.kv.states is not None else -1
         prompt = len(req.prompt_token_ids)
-        blocks = self.kv.block_ids(req.request_id)[: -(-prompt // self.kv.block_size)]
-        return TransferSource(self.transfer_agent, req.request_id, blocks, slot, prompt, req.num_cached_tokens)
+        return self.connector.hold(req, self.kv.block_ids(req.request_id)[: -(-prompt // self.kv.block_size)], slot)
 
     def _may_draft(self, req: Request) -> bool:
         """Whether `req` decodes this step and may draft: not while it prefills, nor under a grammar (the mask
@@ -425,7 +457,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.pulling.pop(req.request_id, None)
+        if self.connector is not None:
+            self.connector.forget(req.request_id)
         req.finish(reason, stop_reason)
         self._release(req, seen)
 
@@ -463,8 +496,8 @@ class Scheduler:
             num_state_snapshots=len(snapshots) if snapshots is not None else 0,
             state_snapshot_usage=len(snapshots) / snapshots.num_snapshots if snapshots is not None else 0.0,
             state_snapshot_hits=snapshots.num_restored if snapshots is not None else 0,
-            kv_held=len(self.held),
-            kv_pulling=len(self.pulling),
+            kv_held=len(self.connector.held) if self.connector is not None else 0,
+            kv_pulling=self._num_pulling,
             spec_decode_num_drafts=self.num_drafts,
             spec_decode_num_draft_tokens=self.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.num_accepted_tokens,

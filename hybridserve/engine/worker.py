@@ -188,15 +188,14 @@ class EngineWorker:
             self._add(route, session, msg)
         elif isinstance(msg, AbortRequests):
             # A held request (prefilled for a decode worker) is no session's any more: its frontend may drop it.
-            held = self.core.scheduler.held
+            held = self.core.held_for_readers
             self.core.abort([rid for rid in msg.request_ids if self.owner.get(rid) == route or rid in held])
         elif isinstance(msg, Ping):
             self._send(route, Pong(self.core.stats()))
         elif isinstance(msg, GetCachedSet):
             self._send(route, self.core.kv.cached_set(self.seq))
         elif isinstance(msg, AddTransferPeer):
-            if self.core.connector is not None:
-                self.core.connector.add_peer(msg.endpoint)
+            self.core.add_transfer_peer(msg.endpoint)
         elif isinstance(msg, CheckIntegrity):
             self._send(route, IntegrityReport(self._integrity(), self.core.stats()))
 

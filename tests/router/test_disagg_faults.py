@@ -245,8 +245,8 @@ def test_incompatible_peer_fails_only_its_requests(kimi_linear_dir: Path) -> Non
         EngineConfig.of(**base, dtype="float32", role="decode", kv_cache_prefault=False), kimi_linear_dir
     )
     assert good.connector and bad.connector and decode.connector
-    decode.connector.add_peer(good.connector.endpoint)
-    decode.connector.add_peer(bad.connector.endpoint)
+    decode.add_transfer_peer(good.connector.endpoint)
+    decode.add_transfer_peer(bad.connector.endpoint)
     prompt = list(range(10, 60))
     sources = {}
     for name, core in (("good", good), ("bad", bad)):
@@ -290,12 +290,13 @@ def test_a_held_request_aborted_by_its_frontend_is_let_go_at_once(kimi_linear_di
     free = core.kv.pool.num_free
     core.add_request(EngineCoreRequest("gone", list(range(10, 60)), GREEDY, [], 0.0, kv_transfer=RemoteDecode()))
     deadline = time.monotonic() + TIMEOUT_S
-    while not core.scheduler.held and time.monotonic() < deadline:
+    assert core.scheduler.connector is not None
+    while not core.scheduler.connector.held and time.monotonic() < deadline:
         core.step()
-    assert list(core.scheduler.held) == ["gone"] and len(core.connector.leases) == 1
+    assert list(core.scheduler.connector.held) == ["gone"] and len(core.scheduler.connector.leases) == 1
     core.abort(["gone"])
     assert core.step().outputs == []
-    assert not core.scheduler.held and len(core.connector.leases) == 0
+    assert not core.scheduler.connector.held and len(core.scheduler.connector.leases) == 0
     assert core.kv.pool.num_free == free  # every block back (the prompt's stay cached, evictable)
     core.check_integrity()
 
@@ -312,7 +313,7 @@ def test_a_request_behind_a_held_one_waits_for_its_state_slot(kimi_linear_dir: P
         EngineConfig.of(**base, dtype="float32", role="decode", kv_cache_prefault=False), kimi_linear_dir
     )
     assert prefill.connector and decode.connector
-    decode.connector.add_peer(prefill.connector.endpoint)
+    decode.add_transfer_peer(prefill.connector.endpoint)
     prompt = list(range(10, 60))
     sources: dict[str, RemotePrefill] = {}
     ends: dict[str, tuple[FinishReason | None, str | None]] = {}
@@ -331,12 +332,12 @@ def test_a_request_behind_a_held_one_waits_for_its_state_slot(kimi_linear_dir: P
     prefill.add_request(EngineCoreRequest("second", prompt[::-1], GREEDY, [], 0.0, kv_transfer=RemoteDecode()))
     for _ in range(5):
         step(prefill)
-    assert (ends, list(prefill.scheduler.held), prefill.stats().num_waiting) == ({}, ["first"], 1)
+    assert (ends, sorted(prefill.held_for_readers), prefill.stats().num_waiting) == ({}, ["first"], 1)
     decode.add_request(EngineCoreRequest("first", prompt, GREEDY, [], 0.0, kv_transfer=sources["first"]))
     while "second" not in sources and time.monotonic() < deadline:
         step(decode)
         step(prefill)  # hears `done` for the first, which frees the slot
-    assert list(prefill.scheduler.held) == ["second"] and prefill.connector.counters.leases_expired == 0
+    assert sorted(prefill.held_for_readers) == ["second"] and prefill.stats().kv_leases_expired == 0
     while "first" not in ends and time.monotonic() < deadline:
         step(decode)
     assert ends == {"first": (FinishReason.LENGTH, None)}

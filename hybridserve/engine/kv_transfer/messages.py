@@ -72,3 +72,41 @@ class AddTransferPeer(msgspec.Struct, frozen=True, array_like=True, tag=True):
     request). The decode worker checks it against its own layout and remembers the answer."""
 
     endpoint: TransferEndpoint
+
+
+# ---- between the connector's two halves (connector_scheduler.py decides, connector_worker.py moves the bytes)
+
+
+class PullOrder(msgspec.Struct, frozen=True, array_like=True):
+    """Read a prefilled request's prompt KV (and state) from `source` into our blocks (and state slot)."""
+
+    request_id: str
+    source: TransferSource
+    block_ids: list[int]  # ours, as many as the source's
+    state_slot: int  # ours; -1: the model keeps no recurrent state
+
+
+class TransferOrders(msgspec.Struct, array_like=True):
+    """The scheduler half's decisions since the worker half last heard from it (one step's, in its plan)."""
+
+    pulls: list[PullOrder] = []  # admitted: start their reads
+    # (request, its source) given up by their clients: cancel a read in flight, tell the prefill worker
+    drops: list[tuple[str, TransferSource]] = []
+    keeps: list[TransferSource] = []  # still queued for room: ask their prefill workers to hold on
+    releases: list[str] = []  # held requests let go (read, dropped, lease over, aborted): their staging spans go
+
+    def __bool__(self) -> bool:
+        return bool(self.pulls or self.drops or self.keeps or self.releases)
+
+
+class TransferEvents(msgspec.Struct, array_like=True):
+    """What the worker half saw happen since it last reported, for the scheduler half to act on."""
+
+    landed: list[str] = []  # reads complete: the request runs from its first token on
+    failed: list[tuple[str, str]] = []  # (request, why) reads over without landing, their blocks free again
+    stuck: list[tuple[str, str]] = []  # (request, why) reads over without landing that NIXL still holds
+    freed: list[str] = []  # stuck or dropped reads NIXL let go at last: their blocks may be reused
+    heard: list[tuple[str, str]] = []  # (kind, request) from decode workers: "done", "drop" or "keep"
+
+    def __bool__(self) -> bool:
+        return bool(self.landed or self.failed or self.stuck or self.freed or self.heard)
