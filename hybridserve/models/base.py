@@ -23,6 +23,9 @@ LayerCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 class CausalLM(nn.Module):
     # Checkpoint projections computed as one matmul each, by fused module name (loader.safetensors.pack).
     packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # Checkpoint-name pattern → how a tensor- or expert-parallel rank reads that tensor: "colwise", "rowwise",
+    # "vocab", "replicate" or "expert" (loader/sharding.py). Loading a shard needs a rule for every tensor.
+    shard_plan: ClassVar[dict[str, str]] = {}
     # Name fragments of parameters kept in float32 whatever the model dtype.
     fp32_parameters: ClassVar[tuple[str, ...]] = ()
     # Whether a decode-only step is tensor ops over the attention metadata alone, with no host synchronisation,

@@ -1,4 +1,10 @@
-"""Read a Hugging Face model directory: config.json and its (possibly sharded) safetensors weights."""
+"""Read a Hugging Face model directory: config.json and its (possibly sharded) safetensors weights.
+
+`load_state_dict` reads the whole checkpoint, or with a `Shard` of size above 1 one tensor- / expert-parallel
+rank's part of it as the model's shard plan says (loader/sharding.py): each split tensor through safetensors'
+`get_slice`, so that no rank reads or holds more of a tensor than its slice. Names stay the checkpoint's;
+the caller adapts and packs them per rank as for a whole load (q, k, v each split by heads, then packed).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from hybridserve.models.loader.sharding import Shard, ShardPlan
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -35,10 +43,20 @@ def weight_files(hf_dir: Path) -> list[Path]:
 
 
 def load_state_dict(
-    hf_dir: Path, dtype: torch.dtype, device: torch.device, fp32_suffixes: tuple[str, ...] = ()
+    hf_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    fp32_suffixes: tuple[str, ...] = (),
+    shard: Shard | None = None,
+    plan: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the directory on `device`; floating-point tensors are cast to `dtype`, except those
-    whose names end with one of `fp32_suffixes`, which become float32."""
+    whose names end with one of `fp32_suffixes`, which become float32. With a `shard` of size above 1, only
+    that rank's slice of each tensor as `plan` says, and none of the experts other ranks hold."""
+    if shard is not None and not shard.whole:
+        if plan is None:
+            raise ValueError(f"loading shard {shard} of {hf_dir} needs the model's shard plan")
+        return _load_shard(Path(hf_dir), dtype, device, fp32_suffixes, shard, plan)
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(Path(hf_dir)):
         with safe_open(file, framework="pt", device=str(device)) as f:
@@ -49,6 +67,40 @@ def load_state_dict(
                 if tensor.is_floating_point():
                     tensor = tensor.float() if name.endswith(fp32_suffixes) else tensor.to(dtype)
                 state[name] = tensor
+    return state
+
+
+def _load_shard(
+    hf_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    fp32_suffixes: tuple[str, ...],
+    shard: Shard,
+    plan: ShardPlan,
+) -> dict[str, torch.Tensor]:
+    """One rank's part: every tensor's shape from the headers first (so that a tensor without a rule, or one
+    that does not divide, fails before any data is read), then each slice read from the host mapping of the
+    file and moved to `device` alone."""
+    files = weight_files(hf_dir)
+    shapes: dict[str, list[int]] = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                if name in shapes:
+                    raise ValueError(f"tensor {name!r} appears in more than one shard of {hf_dir} (again in {file})")
+                shapes[name] = f.get_slice(name).get_shape()
+    indices = plan.indices(shapes, shard)
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                if name not in indices:
+                    continue
+                index = indices[name]
+                tensor = f.get_slice(name)[index] if index else f.get_tensor(name)
+                if tensor.is_floating_point():
+                    tensor = tensor.to(device, torch.float32 if name.endswith(fp32_suffixes) else dtype)
+                state[name] = tensor.to(device).contiguous()
     return state
 
 
