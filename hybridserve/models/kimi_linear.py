@@ -139,6 +139,63 @@ class KimiLinearForCausalLM(CausalLM):
         "conv1d": ("q_conv1d", "k_conv1d", "v_conv1d"),
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
+    # A rank's slice of each checkpoint tensor (loader/sharding.py), on the released checkpoints' names (those
+    # transformers saves; its in-memory spellings, with stacked experts and one conv1d, have no rule and refuse
+    # to shard). KDA and MLA split by heads; q_proj and o_proj name both layer kinds, so both head counts must
+    # divide. Low-rank inputs and latents shared by all heads (f_a/g_a, q_a, kv_a_proj_with_mqa) and norms over
+    # head_dim are replicated. A_log is [1, 1, H, 1] in Kimi Linear checkpoints (its heads not on dim 0) and H
+    # floats: replicated, a sharded KDA takes its heads' entries. Routed experts split by expert parallelism
+    # only (whole experts per rank); shared experts and the dense MLP like a Llama MLP; the router is replicated.
+    shard_plan = {
+        "model.embed_tokens.weight": "vocab",
+        "lm_head.weight": "vocab",
+        "model.norm.weight": "replicate",
+        "model.layers.*.input_layernorm.weight": "replicate",
+        "model.layers.*.post_attention_layernorm.weight": "replicate",
+        "model.layers.*.self_attn.q_proj.weight": "colwise:linear_num_heads,num_attention_heads",
+        "model.layers.*.self_attn.o_proj.weight": "rowwise:linear_num_heads,num_attention_heads",
+        # KDA: q, k, v and their convolutions split by heads, packed per rank into in_proj / conv1d
+        "model.layers.*.self_attn.k_proj.weight": "colwise:linear_num_heads",
+        "model.layers.*.self_attn.v_proj.weight": "colwise:linear_num_heads",
+        "model.layers.*.self_attn.q_conv1d.weight": "colwise:linear_num_heads",
+        "model.layers.*.self_attn.k_conv1d.weight": "colwise:linear_num_heads",
+        "model.layers.*.self_attn.v_conv1d.weight": "colwise:linear_num_heads",
+        "model.layers.*.self_attn.b_proj.weight": "colwise:linear_num_heads",
+        "model.layers.*.self_attn.f_a_proj.weight": "replicate",
+        "model.layers.*.self_attn.g_a_proj.weight": "replicate",
+        "model.layers.*.self_attn.f_b_proj.weight": "colwise:linear_num_heads",
+        "model.layers.*.self_attn.g_b_proj.weight": "colwise:linear_num_heads",
+        "model.layers.*.self_attn.dt_bias": "colwise:linear_num_heads",
+        "model.layers.*.self_attn.A_log": "replicate",
+        "model.layers.*.self_attn.o_norm.weight": "replicate",
+        # MLA
+        "model.layers.*.self_attn.q_a_proj.weight": "replicate",
+        "model.layers.*.self_attn.q_a_layernorm.weight": "replicate",
+        "model.layers.*.self_attn.q_b_proj.weight": "colwise:num_attention_heads",
+        "model.layers.*.self_attn.kv_a_proj_with_mqa.weight": "replicate",
+        "model.layers.*.self_attn.kv_a_layernorm.weight": "replicate",
+        "model.layers.*.self_attn.kv_b_proj.weight": "colwise:num_attention_heads",
+        "model.layers.*.self_attn.g_proj.weight": "colwise:num_attention_heads",  # K3's output gate
+        # MLPs
+        "model.layers.*.block_sparse_moe.gate_proj.weight": "colwise",
+        "model.layers.*.block_sparse_moe.up_proj.weight": "colwise",
+        "model.layers.*.block_sparse_moe.down_proj.weight": "rowwise",
+        "model.layers.*.block_sparse_moe.shared_experts.gate_proj.weight": "colwise",
+        "model.layers.*.block_sparse_moe.shared_experts.up_proj.weight": "colwise",
+        "model.layers.*.block_sparse_moe.shared_experts.down_proj.weight": "rowwise",
+        "model.layers.*.block_sparse_moe.gate.weight": "replicate",
+        "model.layers.*.block_sparse_moe.gate.e_score_correction_bias": "replicate",
+        "model.layers.*.block_sparse_moe.experts.*.w1.weight": "expert",
+        "model.layers.*.block_sparse_moe.experts.*.w2.weight": "expert",
+        "model.layers.*.block_sparse_moe.experts.*.w3.weight": "expert",
+        # K3's block attention residuals: per-hidden-channel queries and norms
+        "model.layers.*.self_attention_res_proj.weight": "replicate",
+        "model.layers.*.self_attention_res_norm.weight": "replicate",
+        "model.layers.*.mlp_res_proj.weight": "replicate",
+        "model.layers.*.mlp_res_norm.weight": "replicate",
+        "model.output_res_proj.weight": "replicate",
+        "model.output_res_norm.weight": "replicate",
+    }
     # Kept in float32 whatever the model dtype: the decay's parameters and the router.
     fp32_parameters = ("A_log", "dt_bias", ".gate.weight", "e_score_correction_bias")
 

@@ -105,6 +105,26 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     # Checkpoint projections computed as one matmul each (see loader.safetensors.pack).
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    # A tensor-parallel rank's slice of each checkpoint tensor (loader/sharding.py): attention by heads, the MLP
+    # by intermediate rows; `.*` covers weight and bias (a colwise bias splits with its rows, a rowwise one is
+    # replicated). Per-head QK norms (Qwen3) act on head_dim, the same for every head: replicated.
+    shard_plan = {
+        "model.embed_tokens.weight": "vocab",
+        "lm_head.weight": "vocab",
+        "model.norm.weight": "replicate",
+        "model.layers.*.input_layernorm.weight": "replicate",
+        "model.layers.*.post_attention_layernorm.weight": "replicate",
+        "model.layers.*.self_attn.q_proj.*": "colwise:num_attention_heads",
+        "model.layers.*.self_attn.k_proj.*": "colwise:num_key_value_heads",
+        "model.layers.*.self_attn.v_proj.*": "colwise:num_key_value_heads",
+        "model.layers.*.self_attn.o_proj.*": "rowwise:num_attention_heads",
+        "model.layers.*.self_attn.q_norm.weight": "replicate",
+        "model.layers.*.self_attn.k_norm.weight": "replicate",
+        "model.layers.*.self_attn.rotary_emb.inv_freq": "replicate",  # old checkpoints' table, dropped by load_model
+        "model.layers.*.mlp.gate_proj.*": "colwise",
+        "model.layers.*.mlp.up_proj.*": "colwise",
+        "model.layers.*.mlp.down_proj.*": "rowwise",
+    }
     # A decode-only step is tensor ops over the attention metadata alone, with no host synchronisation, so a CUDA
     # graph can record it (engine/decode_graphs.py).
     graph_capturable = True

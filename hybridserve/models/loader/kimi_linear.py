@@ -4,7 +4,8 @@ Accepts both spellings in circulation: the released checkpoints' (and what trans
 `block_sparse_moe.experts.N.w1/w2/w3`, `self_attn.f_a_proj`/`f_b_proj`/`dt_bias`/`A_log`, separate
 `q_conv1d`/`k_conv1d`/`v_conv1d`; and transformers' in-memory ones: `mlp.experts.gate_up_proj`/`down_proj`
 stacked, `self_attn.forget_gate.*`, one `conv1d`. The q/k/v convolutions and projections are stacked
-afterwards by `safetensors.pack`, like every model's fused projections.
+afterwards by `safetensors.pack`, like every model's fused projections. Routed experts may be an expert-parallel
+rank's contiguous range (loader/sharding.py), stacked in index order like a whole checkpoint's 0..E-1.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def canonical_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[name] = tensor
     for prefix, parts in experts.items():
         counts = {which: sorted(by_index) for which, by_index in parts.items()}
-        expected = list(range(len(counts.get("w1", []))))
+        w1_ids = counts.get("w1", [])  # sorted: 0..E-1, or an expert-parallel rank's range
+        expected = list(range(w1_ids[0], w1_ids[0] + len(w1_ids))) if w1_ids else []
         if set(counts) != {"w1", "w2", "w3"} or any(ids != expected for ids in counts.values()):
             raise ValueError(f"checkpoint experts under {prefix} are incomplete: {counts}")
         w1, w2, w3 = ([parts[w][i] for i in expected] for w in ("w1", "w2", "w3"))
