@@ -1,4 +1,7 @@
-"""`load_model`: a checkpoint directory's model, built on the meta device and given its weights in place."""
+"""`load_model`: a checkpoint directory's model, built on the meta device and given its weights in place.
+
+It loads the whole checkpoint. One tensor- / expert-parallel rank's part (`load_state_dict` with a `Shard`,
+loader/sharding.py) waits for the sharded layers that would compute with it."""
 
 from __future__ import annotations
 
