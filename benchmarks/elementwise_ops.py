@@ -4,7 +4,7 @@
 
 At the default model's shapes (hidden 576, intermediate 1536, 9 query and 3 KV heads of 64): `silu_mul`,
 `add_rms_norm` and `rope_write_kv` (the rotary and the cache write, into a 2 GiB-sized layer cache at random
-slots, as a decode step writes it), each from fused_ops.c / paged_attention.c built twice in this process: as
+slots, as a decode step writes it), each from fused_ops.c / rope_write_kv.c built twice in this process: as
 the engine builds it, and with `-DPORTABLE` (plain C, the rounding in integer steps). Both give the same bits
 (tests/models/layers/test_native_attention.py); this measures what the vector loops are worth. The median of
 `--repeats` calls (each through its Python wrapper) after a warm-up; the step column is 30 layers' worth (two

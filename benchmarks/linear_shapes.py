@@ -1,4 +1,5 @@
-"""The default model's matmul shapes: linear.c's native kernel against oneDNN's, one process, one weight each.
+"""The default model's matmul shapes: the native kernels (linear_f32.c, linear_bf16.c; the column "linear.c")
+against oneDNN's, one process, one weight each.
 
     python -m benchmarks.linear_shapes [--dtype auto] [--rows 1,8,32,64] [--repeats 50] [--out benchmarks/results]
 

@@ -1,9 +1,19 @@
-/* Scalar helpers shared by the CPU kernels: bfloat16 conversion with PyTorch's rounding, and an exp that
- * vectorises. Everything is static inline, so each kernel library compiles its own copy. */
+/* Helpers shared by the CPU kernels: the EXPORT marker of their C API, the ISA level built for, bfloat16 conversion
+ * with PyTorch's rounding, and an exp that vectorises. The functions are static inline, so each kernel source
+ * compiles its own copy. */
 #ifndef HYBRIDSERVE_CPU_MATH_H
 #define HYBRIDSERVE_CPU_MATH_H
 
 #include <stdint.h>
+
+/* A kernel library's C API: the functions native.py calls, each marked EXPORT where it is declared or defined. The
+ * libraries are built with -fvisibility=hidden, so nothing else is exported, and native.py reads the prototypes of
+ * the EXPORT functions from the sources for their ctypes signatures (native.signatures): a prototype after EXPORT
+ * is the only place a kernel's signature is written. Its types: int64_t, int, float, double, void, pointers. */
+#define EXPORT __attribute__((visibility("default")))
+/* Shared between the sources of one library (a function or variable defined in one and used in another), not
+ * exported: declared so in the header, other sources reach it directly rather than through the GOT or PLT. */
+#define HIDDEN __attribute__((visibility("hidden")))
 
 /* The instruction-set level this library is built for, by native.py's ISA_LEVELS names. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)

@@ -2,8 +2,8 @@
  *
  * A decode-only step of a small model is mostly fixed costs: per layer, nine kernel calls, each wrapped in
  * Python (shape checks, an output tensor, a ctypes call): ~3 ms of a ~15 ms batch-1 step for a 30-layer model.
- * This loop makes the same calls, in the same order and on the same kernels (linear.c, fused_ops.c,
- * paged_attention.c, handed over as function pointers), so its hidden states are bitwise those of the module
+ * This loop makes the same calls, in the same order and on the same kernels (the linear, fused_ops and
+ * paged_attention libraries', handed over as function pointers), so its hidden states are bitwise those of the module
  * path; only the Python between them is gone. Intermediates live in one workspace the caller provides.
  *
  * No compile-time shapes: the kernels it drives carry their own.
@@ -11,9 +11,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Per layer: its norm weights, the packed panels of its four matmuls (one of linear.c's layouts) with their
- * float32 biases or NULL, its paged cache, and the linear.c function each matmul's panels take. A stack without
- * silu_mul has gated gate_up matmuls (linear_f32_silu's), which write the activation themselves. */
+#include "cpu_math.h"
+
+/* Per layer: its norm weights, the packed panels of its four matmuls (one of the linear library's layouts) with
+ * their float32 biases or NULL, its paged cache, and the matmul (linear_f32.c's or linear_bf16.c's) each one's
+ * panels take. A stack without silu_mul has gated gate_up matmuls (linear_f32_silu's), which write the activation
+ * themselves. */
 #define DEFINE_DECODER_STACK(NAME, T, LINEAR_T, LINEAR_CALL)                                                        \
     typedef struct {                                                                                                \
         const T *input_norm, *post_norm;                                                                            \
@@ -79,9 +82,16 @@ typedef void (*linear_f32_fn)(const float*, int64_t, int64_t, int64_t, const voi
 #define LINEAR_F32(fn, x, ldx, m, k, w, n, bias, y) fn(x, ldx, m, k, w, n, bias, y)
 DEFINE_DECODER_STACK(decoder_stack_bf16, uint16_t, linear_bf16_fn, LINEAR_BF16)
 DEFINE_DECODER_STACK(decoder_stack_f32, float, linear_f32_fn, LINEAR_F32)
+/* The exported functions the macro defines, for native.py's bindings. */
+EXPORT void decoder_stack_bf16(const decoder_stack_bf16_stack* s, uint16_t* x, const uint16_t* cos, const uint16_t* sin,
+                               const int64_t* slots, const int64_t* tables, int64_t table_stride, const int64_t* lens,
+                               int64_t b, uint16_t* work, uint16_t* out);
+EXPORT void decoder_stack_f32(const decoder_stack_f32_stack* s, float* x, const float* cos, const float* sin,
+                              const int64_t* slots, const int64_t* tables, int64_t table_stride, const int64_t* lens,
+                              int64_t b, float* work, float* out);
 
 /* Elements of the workspace a step of b rows needs. */
-int64_t decoder_stack_workspace(int64_t b, int64_t hidden, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                                int64_t intermediate) {
+EXPORT int64_t decoder_stack_workspace(int64_t b, int64_t hidden, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                       int64_t intermediate) {
     return b * (2 * hidden + (2 * q_heads + 2 * kv_heads) * head_dim + 3 * intermediate);
 }

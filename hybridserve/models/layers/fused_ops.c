@@ -82,8 +82,8 @@
 /* bfloat16 with AVX512-BF16: the same arithmetic sixteen lanes at a time, each rounding one instruction
  * (to_bf16x16) instead of the dozen integer operations float_to_bf16 vectorises into, which made these loops
  * count-bound: the same bits, faster. The sum of squares is the macro's loop, so it adds in the same order. */
-void add_rms_norm_bf16(uint16_t* residual, const uint16_t* delta, const uint16_t* weight, uint16_t* out,
-                       int64_t rows, int64_t dim, float eps) {
+EXPORT void add_rms_norm_bf16(uint16_t* residual, const uint16_t* delta, const uint16_t* weight, uint16_t* out,
+                              int64_t rows, int64_t dim, float eps) {
 #pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         uint16_t* x = residual + r * dim;
@@ -108,7 +108,7 @@ void add_rms_norm_bf16(uint16_t* residual, const uint16_t* delta, const uint16_t
     }
 }
 
-void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t dim) {
+EXPORT void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t dim) {
 #pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t* gate = gate_up + r * 2 * dim;
@@ -124,9 +124,18 @@ void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t
     }
 }
 #else
+EXPORT void add_rms_norm_bf16(uint16_t* residual, const uint16_t* delta, const uint16_t* weight, uint16_t* out,
+                              int64_t rows, int64_t dim, float eps);
+EXPORT void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t dim);
 DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_float, float_to_bf16, round_bf16)
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_float, float_to_bf16, round_bf16)
 #endif
+/* The exported functions the macros define, for native.py's bindings. */
+EXPORT void add_rms_norm_f32(float* residual, const float* delta, const float* weight, float* out, int64_t rows,
+                             int64_t dim, float eps);
+EXPORT void silu_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t dim);
+EXPORT void argmax_bf16(const uint16_t* x, int64_t stride, int64_t rows, int64_t n, int64_t* out);
+EXPORT void argmax_f32(const float* x, int64_t stride, int64_t rows, int64_t n, int64_t* out);
 DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, identity, identity, identity)
 DEFINE_SILU_MUL(silu_mul_f32, float, identity, identity, identity)
 DEFINE_ARGMAX(argmax_bf16, uint16_t, bf16_to_float)

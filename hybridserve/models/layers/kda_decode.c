@@ -14,6 +14,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cpu_math.h"
+
 #ifndef HEAD_DIM
 #error "build with -DHEAD_DIM=<the KDA head dim>"
 #endif
@@ -54,9 +56,9 @@ static void head_step(const float* q, const float* k, const float* v, const floa
  * g: [batch, heads, HEAD_DIM] and beta: [batch, heads] float32, contiguous; states: [num_slots, heads,
  * HEAD_DIM, HEAD_DIM] float32, contiguous, updated at slots[b] (distinct); out: [batch, heads, HEAD_DIM].
  * Returns -1, or the first row whose slot is outside [0, num_slots) (then nothing is computed). */
-int64_t kda_decode_f32(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
-                       int64_t v_stride, const float* g, const float* beta, float* states, int64_t num_slots,
-                       const int64_t* slots, float* out, int64_t batch, int64_t heads) {
+EXPORT int64_t kda_decode_f32(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
+                              int64_t v_stride, const float* g, const float* beta, float* states, int64_t num_slots,
+                              const int64_t* slots, float* out, int64_t batch, int64_t heads) {
     for (int64_t b = 0; b < batch; b++)
         if (slots[b] < 0 || slots[b] >= num_slots) return b;
     const int64_t state_size = (int64_t)HEAD_DIM * HEAD_DIM;

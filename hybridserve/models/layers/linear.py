@@ -1,7 +1,8 @@
 """CPU matmuls with weights packed once at start-up, swapped in for nn.Linear. CUDA keeps nn.Linear.
 
 Same math as nn.Linear, the weight laid out once for the kernel instead of on every call:
-- the native kernels of linear.c (panels of output columns summed in registers, or in AMX tiles): float32
+- the native kernels of the linear library (linear_f32.c, linear_bf16.c, linear_amx.c; panels of output
+  columns summed in registers, or in AMX tiles): float32
   on every CPU, 1.2-1.9x oneDNN's float32 GEMM on an AVX2 CPU at decode batch sizes; bfloat16 on CPUs with
   AVX512-BF16, 1.3-2x oneDNN's bf16 GEMM at 1-64 rows on a CPU with AMX (benchmarks/native_kernels.py).
   Every output element is summed in one fixed order, so a row's result does not depend on its batch.

@@ -2,17 +2,21 @@
 
 Stock PyTorch ops cannot read a paged KV cache in place: decode attention would first gather every
 request's blocks into a dense buffer (a copy as large as the live KV, per layer and step) and then read
-it back. `paged_attention.c` reads the blocks where they are, and rotates a step's queries and keys while
-writing its keys and values into the cache. `fused_ops.c` does a layer's element-wise chains (residual
+it back. The paged_attention library reads the blocks where they are, and rotates a step's queries and keys
+while writing its keys and values into the cache. fused_ops does a layer's element-wise chains (residual
 add + RMSNorm, SiLU-and-multiply) in one pass each instead of up to nine small ops, and the greedy argmax
-over the logits on all threads (PyTorch's takes ~8 ms for 64 rows of 49152 on one). `kda_decode.c` steps
+over the logits on all threads (PyTorch's takes ~8 ms for 64 rows of 49152 on one). kda_decode steps
 Kimi Delta Attention's recurrent states in place in the state pool, instead of gathering them, updating
-them in a dozen batched ops and scattering them back.
+them in a dozen batched ops and scattering them back. LIBRARIES names each library's sources, one file per
+kernel family (docs/kernels.md).
 
-Each source is compiled once per (source and the shared cpu_math.h, compiler, CPU, compile-time shape)
+Each library is compiled once per (its sources and the headers they include, compiler, CPU, compile-time shape)
 with the system C compiler (`$CC`, default `cc`) into the cache directory, so later starts only load it
 (~1 ms); a first build takes 0.5-2 s a library. Without a working compiler the engine logs why and
 keeps the PyTorch ops, which compute the same thing.
+
+The C functions a library exports are marked EXPORT in its sources (cpu_math.h), and their ctypes signatures come
+from those prototypes (signatures()): a kernel's signature is written once, in C.
 
 The libraries are linked with -fopenmp and loaded into a process where PyTorch already loaded its libgomp,
 so all share one OpenMP runtime and thread count (`torch.set_num_threads` applies to the kernels too).
@@ -21,10 +25,12 @@ so all share one OpenMP runtime and thread count (`torch.set_num_threads` applie
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -44,7 +50,17 @@ logger = logging.getLogger("hybridserve.engine")
 _HERE = Path(__file__).parent
 # -fno-trapping-math: no kernel reads the floating-point exception flags, and with them kept GCC leaves every loop
 # with a clamp or select unvectorised (exp_approx's, so SiLU ran a lane at a time); results are unchanged.
-_FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-std=gnu11", "-fopenmp", "-fPIC", "-shared")
+# -fvisibility=hidden: a library exports its EXPORT functions only (cpu_math.h).
+_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-trapping-math",
+    "-std=gnu11",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-fvisibility=hidden",
+)
 # The instruction-set levels the kernels have variants for, lowest first: the CPU flags (/proc/cpuinfo's names) a host
 # needs for a level on top of the levels below it, and the compiler flags that turn off everything above the level in
 # a -march=native build. $HYBRIDSERVE_MAX_CPU_ISA caps the build at a level (as oneDNN's ONEDNN_MAX_CPU_ISA does),
@@ -62,9 +78,133 @@ MAX_ISA_VARIABLE = "HYBRIDSERVE_MAX_CPU_ISA"
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
+# The kernel libraries and their sources (in this directory), one file per kernel family. A library is compiled as
+# one translation unit of its sources, in this order (a file that #includes them): the compiler sees the library
+# whole, as it saw the single file each once was, so it inlines and allocates registers as it did then.
+LIBRARIES: dict[str, tuple[str, ...]] = {
+    "linear": ("linear_f32.c", "linear_blocks.c", "greedy_head.c", "linear_bf16.c", "linear_amx.c"),
+    "paged_attention": ("paged_decode_bf16.c", "paged_decode.c", "rope_write_kv.c", "paged_prefill.c"),
+    "fused_ops": ("fused_ops.c",),
+    "kda_decode": ("kda_decode.c",),
+    "decoder_stack": ("decoder_stack.c",),
+}
+
 
 class KernelUnavailable(RuntimeError):
     """The kernel cannot be built or loaded here; the message says why."""
+
+
+class BindingError(RuntimeError):
+    """The Python side asks for a C function its library's sources do not declare EXPORT, or declare in a form the
+    signature parser does not read: a bug, never a reason to fall back to the PyTorch ops."""
+
+
+class Signature(NamedTuple):
+    """An EXPORT function's ctypes types, as its prototype in `source` gives them."""
+
+    name: str
+    restype: type | None
+    argtypes: tuple[type, ...]
+    source: str
+
+
+# C types of a kernel's parameters and results (pointers of any type: c_void_p; char pointers: c_char_p).
+_C_TYPES: dict[str, type | None] = {
+    "void": None,
+    "int": ctypes.c_int,
+    "int32_t": ctypes.c_int32,
+    "unsigned": ctypes.c_uint,
+    "unsigned int": ctypes.c_uint,
+    "uint32_t": ctypes.c_uint32,
+    "long": ctypes.c_int64,
+    "long long": ctypes.c_int64,
+    "int64_t": ctypes.c_int64,
+    "uint64_t": ctypes.c_uint64,
+    "size_t": ctypes.c_size_t,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+}
+_QUALIFIERS = frozenset({"const", "volatile", "restrict", "__restrict", "__restrict__"})
+_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.DOTALL)
+# preprocessor lines with their continuations: a macro's body declares nothing (macro-made functions have prototypes)
+_DIRECTIVE = re.compile(r"^[ \t]*#(?:[^\n]*\\\n)*[^\n]*", re.MULTILINE)
+_EXPORT = re.compile(r"\bEXPORT\b")
+_PROTOTYPE = re.compile(r"\bEXPORT\s+([\w\s*]*?)\b(\w+)\s*\(([^()]*)\)\s*[;{]")
+
+
+def _ctype(declaration: str, named: bool, where: str) -> type | None:
+    """The ctypes type of a C parameter (`named`: it may end in a name) or result type."""
+    words = [w for w in re.findall(r"\w+", declaration) if w not in _QUALIFIERS]
+    if "*" in declaration or "[" in declaration:
+        return ctypes.c_char_p if words[:1] == ["char"] else ctypes.c_void_p
+    for type_words in (words, words[:-1]) if named else (words,):
+        if type_words and " ".join(type_words) in _C_TYPES:
+            return _C_TYPES[" ".join(type_words)]
+    raise BindingError(f"{where}: C type {declaration.strip()!r} has no ctypes mapping here (native._C_TYPES)")
+
+
+def parse_prototypes(text: str, source: str = "<string>") -> dict[str, Signature]:
+    """The EXPORT functions a C source declares or defines, by name. A function declared more than once (in the
+    branches of an #if) must have the same types each time. Raises BindingError for an EXPORT it cannot read."""
+    text = _DIRECTIVE.sub("", _COMMENT.sub(" ", text))
+    found: dict[str, Signature] = {}
+    matches = list(_PROTOTYPE.finditer(text))
+    if len(matches) != len(_EXPORT.findall(text)):
+        parsed = {m.start() for m in matches}
+        at = next(m.start() for m in _EXPORT.finditer(text) if m.start() not in parsed)
+        raise BindingError(f"{source}: cannot read the EXPORT declaration at {text[at : at + 80]!r}")
+    for match in matches:
+        result, name, parameters = match.groups()
+        where = f"{source}: {name}"
+        params = [p for p in parameters.split(",") if p.strip()]
+        if [p.strip() for p in params] == ["void"]:
+            params = []
+        signature = Signature(name, _ctype(result, False, where), tuple(_ctype(p, True, where) for p in params), source)
+        if name in found and found[name][1:3] != signature[1:3]:
+            raise BindingError(f"{where} is declared EXPORT twice with different types")
+        found[name] = signature
+    return found
+
+
+@functools.cache
+def signatures(source_or_library: str) -> dict[str, Signature]:
+    """The EXPORT functions of a kernel source (a file name in this directory, or a path) or of a library of
+    LIBRARIES (all its sources'), by name. Raises BindingError where two sources of a library declare one name."""
+    if source_or_library in LIBRARIES:
+        merged: dict[str, Signature] = {}
+        for source in LIBRARIES[source_or_library]:
+            for name, signature in signatures(source).items():
+                if name in merged and merged[name].source != signature.source:
+                    first = merged[name].source
+                    raise BindingError(f"{name} is declared EXPORT in both {first} and {signature.source}")
+                merged[name] = signature
+        return merged
+    path = Path(source_or_library) if os.sep in source_or_library else _HERE / source_or_library
+    return parse_prototypes(path.read_text(), path.name)
+
+
+class _Library:
+    """A built library, its functions bound by their EXPORT prototypes."""
+
+    def __init__(self, name: str, path: Path) -> None:
+        self.name, self.path, self._lib = name, path, ctypes.CDLL(str(path))
+
+    def __call__(self, function: str) -> Callable[..., Any]:
+        signature = signatures(self.name).get(function)
+        if signature is None:
+            raise BindingError(
+                f"{function}() is not declared EXPORT in the {self.name} library's sources "
+                f"({', '.join(LIBRARIES[self.name])}, in {_HERE})"
+            )
+        try:
+            fn = getattr(self._lib, function)
+        except AttributeError:
+            raise BindingError(
+                f"{function}() is declared EXPORT in {signature.source} but {self.path.name} does not export it "
+                f"(not built for this CPU, or defined without EXPORT)"
+            ) from None
+        fn.argtypes, fn.restype = list(signature.argtypes), signature.restype
+        return fn
 
 
 class PagedAttention:
@@ -72,18 +212,18 @@ class PagedAttention:
 
     def __init__(self, library: Path, dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> None:
         self.dtype, self.head_dim, self.block_size, self.group = dtype, head_dim, block_size, group
-        lib, name = ctypes.CDLL(str(library)), _DTYPES[dtype]
-        self._decode = _function(lib, f"paged_decode_{name}", [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _F])
-        self._rope_write_kv = _function(lib, f"rope_write_kv_{name}", [_P, _I, _I, _I, _I, _P, _P, _P, _I, _P])
+        lib, name = _Library("paged_attention", library), _DTYPES[dtype]
+        self._decode = lib(f"paged_decode_{name}")
+        self._rope_write_kv = lib(f"rope_write_kv_{name}")
         # Whether bfloat16 key scores use the CPU's bf16 dot-product instructions (AVX512-BF16).
-        self.bf16_dot = dtype == torch.bfloat16 and bool(_function(lib, "paged_decode_bf16_dot", [], ctypes.c_int)())
+        self.bf16_dot = dtype == torch.bfloat16 and bool(lib("paged_decode_bf16_dot")())
         # Whether prefill chunks attend natively too (16-token blocks; bfloat16 with its dot products); else SDPA.
         if dtype == torch.bfloat16:
-            self.prefills = self.bf16_dot and bool(_function(lib, "paged_prefill_available", [], ctypes.c_int)())
+            self.prefills = self.bf16_dot and bool(lib("paged_prefill_available")())
         else:
-            self.prefills = bool(_function(lib, "paged_prefill_f32_available", [], ctypes.c_int)())
+            self.prefills = bool(lib("paged_prefill_f32_available")())
         if self.prefills:
-            self._prefill = _function(lib, f"paged_prefill_{name}", [_P, _I, _P, _I, _P, _I, _I, _P, _I, _I, _F], _I)
+            self._prefill = lib(f"paged_prefill_{name}")
 
     def _check(self, q_heads: int, cache: torch.Tensor) -> None:
         if q_heads != self.group * cache.shape[1] or cache.shape[3:] != (self.block_size, self.head_dim):
@@ -189,17 +329,10 @@ class FusedOps:
     rows."""
 
     def __init__(self, library: Path) -> None:
-        lib = ctypes.CDLL(str(library))
-        self._add_rms_norm = {
-            dtype: _function(lib, f"add_rms_norm_{name}", [_P, _P, _P, _P, _I, _I, _F])
-            for dtype, name in _DTYPES.items()
-        }
-        self._silu_mul = {
-            dtype: _function(lib, f"silu_mul_{name}", [_P, _P, _I, _I]) for dtype, name in _DTYPES.items()
-        }
-        self._argmax = {
-            dtype: _function(lib, f"argmax_{name}", [_P, _I, _I, _I, _P]) for dtype, name in _DTYPES.items()
-        }
+        lib = _Library("fused_ops", library)
+        self._add_rms_norm = {dtype: lib(f"add_rms_norm_{name}") for dtype, name in _DTYPES.items()}
+        self._silu_mul = {dtype: lib(f"silu_mul_{name}") for dtype, name in _DTYPES.items()}
+        self._argmax = {dtype: lib(f"argmax_{name}") for dtype, name in _DTYPES.items()}
 
     def supports(self, *tensors: torch.Tensor) -> bool:
         """Whether the kernels can take these tensors: CPU, contiguous, all bfloat16 or all float32."""
@@ -248,7 +381,7 @@ class FusedOps:
 
 
 class _ArgmaxKernels(NamedTuple):
-    """One dtype's greedy-head functions (linear.c) and the layout of its int8 copy: panels of 16 weight rows,
+    """One dtype's greedy-head functions (greedy_head.c) and the layout of its int8 copy: panels of 16 weight rows,
     the rows padded to `rows`, K in groups of `k_group`; `meta_rows` per-row values (scale, error norm, norm,
     and for bf16 the sum of its int8 values)."""
 
@@ -261,54 +394,50 @@ class _ArgmaxKernels(NamedTuple):
     meta_rows: int
 
 
-# GGUF block formats the float32 matmuls read in place: linear.c's code for the kind, bytes per 32 weights, the
+# GGUF block formats the float32 matmuls read in place: linear_blocks.h's code for the kind, bytes per 32 weights, the
 # panels it is packed into (Q4_0's d (q - 8) is Q4_1's d q + m with m = -8 d, exactly)
 BLOCKS = {"Q4_1": (0, 20, "q4_1"), "Q8_0": (1, 34, "q8_0"), "Q4_0": (2, 18, "q4_1")}
 
 
 class LinearKernels:
-    """Matmuls y = x W^T + b over weights packed once into panels (linear.c): float32 everywhere, bfloat16
-    where the CPU has AVX512-BF16 (summed on AMX's tiles where it has those too)."""
+    """Matmuls y = x W^T + b over weights packed once into panels (the linear library: linear_f32.c, GGUF blocks
+    linear_blocks.c): float32 everywhere, bfloat16 where the CPU has AVX512-BF16 (linear_bf16.c; summed on AMX's tiles
+    where it has those too, linear_amx.c), and the greedy head (greedy_head.c)."""
 
     def __init__(self, library: Path) -> None:
-        lib = ctypes.CDLL(str(library))
+        lib = _Library("linear", library)
         # the level of ISA_LEVELS the library was built for ("baseline" below them all)
-        self.isa: str = _function(lib, "linear_isa", [], ctypes.c_char_p)().decode()
-        self.panel_width = {torch.float32: int(_function(lib, "linear_panel_width", [], _I)())}
-        if bf16_width := int(_function(lib, "linear_bf16_panel_width", [], _I)()):
+        self.isa: str = lib("linear_isa")().decode()
+        self.panel_width = {torch.float32: int(lib("linear_panel_width")())}
+        if bf16_width := int(lib("linear_bf16_panel_width")()):
             self.panel_width[torch.bfloat16] = bf16_width
-        self.amx = bool(_function(lib, "linear_amx_init", [], _I)())
-        self._pack = {torch.float32: _function(lib, "linear_pack_f32", [_P, _I, _I, _P])}
-        self._linear = {torch.float32: _function(lib, "linear_f32", [_P, _I, _I, _I, _P, _I, _P, _P])}
+        self.amx = bool(lib("linear_amx_init")())
+        self._pack = {torch.float32: lib("linear_pack_f32")}
+        self._linear = {torch.float32: lib("linear_f32")}
         # float32 matmuls over weights kept in GGUF blocks (their panels: uint8), by GGUF's name for the format
-        self._linear_blocks = {
-            kind: _function(lib, f"linear_{panels}_f32", [_P, _I, _I, _I, _P, _I, _P, _P])
-            for kind, (_, _, panels) in BLOCKS.items()
-        }
+        self._linear_blocks = {kind: lib(f"linear_{panels}_f32") for kind, (_, _, panels) in BLOCKS.items()}
         # float32 matmuls gated by SiLU (a gate panel, then the up panel of the same columns), by block kind or None
         gated_names = {None: "linear_f32_silu"} | {kind: f"linear_{p}_f32_silu" for kind, (_, _, p) in BLOCKS.items()}
-        self._linear_silu = {
-            kind: _function(lib, name, [_P, _I, _I, _I, _P, _I, _P, _P]) for kind, name in gated_names.items()
-        }
-        self._pack_blocks = _function(lib, "linear_pack_blocks", [_I, _P, _P, _I, _I, _P], _I)
-        group_bytes = _function(lib, "linear_blocks_group_bytes", [_I], _I)
+        self._linear_silu = {kind: lib(name) for kind, name in gated_names.items()}
+        self._pack_blocks = lib("linear_pack_blocks")
+        group_bytes = lib("linear_blocks_group_bytes")
         self._group_bytes = {kind: int(group_bytes(code)) for kind, (code, _, _) in BLOCKS.items()}
         if torch.bfloat16 in self.panel_width:
-            self._pack[torch.bfloat16] = _function(lib, "linear_pack_bf16", [_P, _I, _I, _P])
-            self._linear[torch.bfloat16] = _function(lib, "linear_bf16", [_P, _I, _I, _I, _P, _I, _P, _P, _I])
+            self._pack[torch.bfloat16] = lib("linear_pack_bf16")
+            self._linear[torch.bfloat16] = lib("linear_bf16")
         # the greedy head (argmax): bf16 with AVX512-VNNI, float32 with AVX2 (FMA, F16C)
         self._argmax: dict[torch.dtype, _ArgmaxKernels] = {}
         for dtype, suffix, rows, k_group, meta_rows in (
             (torch.bfloat16, "", 32, 4, 4),
             (torch.float32, "_f32", 16, 2, 3),
         ):
-            available = _function(lib, f"linear_argmax{suffix}_available", [_I], _I)
+            available = lib(f"linear_argmax{suffix}_available")
             if available(1):
                 self._argmax[dtype] = _ArgmaxKernels(
                     available,
-                    _function(lib, f"linear_argmax{suffix}_pack", [_P, _I, _I, _P, _P], _I),
-                    _function(lib, f"linear_argmax{suffix}_workspace", [_I, _I, _I], _I),
-                    _function(lib, f"linear_argmax{suffix}", [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P], _I),
+                    lib(f"linear_argmax{suffix}_pack"),
+                    lib(f"linear_argmax{suffix}_workspace"),
+                    lib(f"linear_argmax{suffix}"),
                     rows,
                     k_group,
                     meta_rows,
@@ -490,9 +619,7 @@ class KDADecode:
 
     def __init__(self, library: Path, head_dim: int) -> None:
         self.head_dim = head_dim
-        self._decode = _function(
-            ctypes.CDLL(str(library)), "kda_decode_f32", [_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I], _I
-        )
+        self._decode = _Library("kda_decode", library)("kda_decode_f32")
 
     def decode(
         self,
@@ -608,9 +735,9 @@ class DecoderStack:
         dtype = self.dtype = final_norm.dtype
         if dtype != attention.dtype or dtype not in linear.dtypes:
             raise KernelUnavailable(f"{dtype} weights but {attention.dtype} attention kernels or no {dtype} matmuls")
-        lib, name = ctypes.CDLL(str(library)), _DTYPES[dtype]
-        self._run = _function(lib, f"decoder_stack_{name}", [_P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P])
-        self._workspace = _function(lib, "decoder_stack_workspace", [_I] * 6, _I)
+        lib, name = _Library("decoder_stack", library), _DTYPES[dtype]
+        self._run = lib(f"decoder_stack_{name}")
+        self._workspace = lib("decoder_stack_workspace")
         self.hidden, self.q_heads, self.kv_heads, self.intermediate = (
             final_norm.numel(),
             q_heads,
@@ -744,23 +871,35 @@ def load_kda_decode(head_dim: int) -> KDADecode:
     return KDADecode(_build("kda_decode", {"HEAD_DIM": head_dim}), head_dim)
 
 
-def _function(lib: ctypes.CDLL, name: str, argtypes: list[type], restype: type | None = None) -> Callable[..., Any]:
-    fn = getattr(lib, name)
-    fn.argtypes = argtypes
-    fn.restype = restype
-    return fn
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def library_files(name: str) -> list[Path]:
+    """The files that go into library `name`: its sources (LIBRARIES), then the local headers they include, directly
+    or through other headers (whichever #if branch includes them), sorted."""
+    sources = [_HERE / source for source in LIBRARIES[name]]
+    headers: set[Path] = set()
+    pending = list(sources)
+    while pending:
+        for included in _INCLUDE.findall(pending.pop().read_text()):
+            header = _HERE / included
+            if header not in headers and header.is_file():
+                headers.add(header)
+                pending.append(header)
+    return sources + sorted(headers)
 
 
 def _build(name: str, defines: dict[str, int]) -> Path:
-    """`<name>.c` compiled with `defines` for this host, from the cache when it is there."""
+    """Library `name` (LIBRARIES) compiled with `defines` for this host, from the cache when it is there: one
+    translation unit of its sources, in their order."""
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise KernelUnavailable(f"C compiler {compiler!r} (from $CC, default cc) not found")
-    source_path = _HERE / f"{name}.c"
+    sources = LIBRARIES[name]
     flags = _FLAGS + _isa_cap_flags() + tuple(f"-D{k}={v}" for k, v in defines.items())
-    sources = [source_path.read_bytes(), *(h.read_bytes() for h in sorted(_HERE.glob("*.h")))]
+    files = [path.name.encode() + b"\0" + path.read_bytes() for path in library_files(name)]
     key = hashlib.sha256(
-        b"\0".join([*sources, " ".join(flags).encode(), _compiler_version(compiler), _cpu_identity().encode()])
+        b"\0".join([*files, " ".join(flags).encode(), _compiler_version(compiler), _cpu_identity().encode()])
     ).hexdigest()[:16]
     root = cache_dir("kernels")
     library = root / "-".join([name, *(f"{k.lower()}{v}" for k, v in defines.items()), f"{key}.so"])
@@ -771,11 +910,18 @@ def _build(name: str, defines: dict[str, int]) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{library.name}.", dir=root)
     os.close(fd)
     try:
+        unit = "".join(f'#include "{source}"\n' for source in sources)  # read from stdin, sources from -I
         result = subprocess.run(
-            [compiler, *flags, str(source_path), "-o", tmp, "-lm"], capture_output=True, text=True, check=False
+            [compiler, *flags, f"-I{_HERE}", "-x", "c", "-", "-o", tmp, "-lm"],
+            input=unit,
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if result.returncode != 0:
-            raise KernelUnavailable(f"{compiler} failed to build {source_path.name}: {result.stderr.strip()[-2000:]}")
+            raise KernelUnavailable(
+                f"{compiler} failed to build {name} ({', '.join(sources)}): {result.stderr.strip()[-2000:]}"
+            )
         os.replace(tmp, library)  # atomic: a concurrent start sees the old state or a whole library
     finally:
         if os.path.exists(tmp):

@@ -1,4 +1,4 @@
-"""The greedy head (linear.c's linear_argmax and linear_argmax_f32): each row's argmax of the float32 logits, from
+"""The greedy head (greedy_head.c's linear_argmax and linear_argmax_f32): each row's argmax of the float32 logits, from
 integer bounds and the few logits they leave, must be the token the full head and its argmax give: the first
 largest, ties included. In bf16 it runs where the CPU has AVX512-VNNI and the head sums on the AVX512-BF16 path;
 in float32 where it has AVX2 with FMA and F16C. Each test runs for both dtypes where the CPU has them."""

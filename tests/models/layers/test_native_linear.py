@@ -1,4 +1,5 @@
-"""The native matmul kernels (linear.c) against float64 references, their batch invariance, and where the
+"""The native matmul kernels (linear_f32.c, linear_blocks.c, linear_bf16.c, linear_amx.c) against float64
+references, their batch invariance, and where the
 runner uses them. bfloat16 runs where the CPU has AVX512-BF16: on AMX's tiles when K is a multiple of 32 and
 AMX is there, else on the AVX512-BF16 register tile; the shapes below take both."""
 
