@@ -17,8 +17,10 @@ from hybridserve.router.link import WorkerState
 from hybridserve.router.router import HEARTBEAT_S
 from hybridserve.sampling_params import SamplingParams
 
-# One thread and one step for the whole prompt: a step of seconds against a heartbeat deadline of one.
-ENGINE = {"dtype": "float32", "num_threads": 1, "max_num_batched_tokens": 2048, "kv_cache_memory_bytes": 256 * 1024**2}
+# One thread and one step for the whole prompt: a step of seconds against a heartbeat deadline of one. 3,000 tokens
+# take ~6 s on an AMX host (1,000 took 1.97 s there, under the 2 s the test needs) and longer on every slower one.
+PROMPT_TOKENS = 3000
+ENGINE = {"dtype": "float32", "num_threads": 1, "max_num_batched_tokens": 4096, "kv_cache_memory_bytes": 256 * 1024**2}
 DEPLOYMENT = DeploymentConfig(num_workers=1, worker_timeout=1.0)
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0)
 
@@ -40,8 +42,9 @@ async def _generate(engine: AsyncLLM, prompt: list[int], rid: str) -> tuple[list
 def test_a_step_longer_than_the_heartbeat_deadline_leaves_the_worker_up(smollm2_dir: Path) -> None:
     engine = build_engine(EngineConfig.of(model=str(smollm2_dir), **ENGINE, kv_cache_prefault=False), DEPLOYMENT)
     link = engine.client.links[0]
-    prompt = engine.tokenizer.encode("Tell me about the weather in every city you know. " * 170)[:1000]
-    other = engine.tokenizer.encode("Name every river you have heard of, and where it flows. " * 150)[:1000]
+    prompt = engine.tokenizer.encode("Tell me about the weather in every city you know. " * 400)[:PROMPT_TOKENS]
+    other = engine.tokenizer.encode("Name every river you have heard of, and where it flows. " * 400)[:PROMPT_TOKENS]
+    assert len(prompt) == len(other) == PROMPT_TOKENS
 
     async def scenario() -> None:
         ids, error, gap = await _generate(engine, prompt, "long")
