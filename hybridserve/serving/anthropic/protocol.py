@@ -4,6 +4,8 @@ Known fields take JSON's own types (strict, as the OpenAI models do) and a wrong
 unknown fields are ignored, as Claude Code sends many (`cache_control`, `metadata`, `context_management`,
 `service_tier`, betas). Content blocks are one permissive model checked per type in convert.py, so a block of
 a type this server does not serve gets an error naming the block rather than a union's list of mismatches.
+Block lists come first in their unions, so a bad block is named (`messages[0].content[1].text`) rather than
+the content called no string.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class ContentBlock(RequestModel):
     name: str | None = None
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None
-    content: str | list[ResultBlock] | None = None
+    content: list[ResultBlock] | str | None = None
     is_error: bool | None = None
     thinking: str | None = None
     signature: str | None = None
@@ -39,7 +41,7 @@ class ContentBlock(RequestModel):
 
 class Message(RequestModel):
     role: Literal["user", "assistant", "system"]
-    content: str | list[ContentBlock]
+    content: list[ContentBlock] | str
 
 
 class SystemBlock(RequestModel):
@@ -78,7 +80,7 @@ class CountTokensRequest(RequestModel):
 
     model: str
     messages: list[Message]
-    system: str | list[SystemBlock] | None = None
+    system: list[SystemBlock] | str | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
