@@ -1,6 +1,7 @@
 """Messages API requests as the chat path serves them: conversation and tool mapping (the same prompt as the
 equivalent chat request), thinking signatures, errors in Anthropic's shape, auth, failures, metrics."""
 
+import asyncio
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from hybridserve.serving.anthropic.signature import ThinkingSigner
 from hybridserve.serving.app import build_app
 from tests.serving.anthropic.helpers import QUESTION, TOOLS, body, error, events, script
 from tests.serving.fake_engine import FakeEngine
-from tests.serving.helpers import PARIS
+from tests.serving.helpers import PARIS, call_until_disconnect
 
 NO = {"type": "text", "text": "No"}
 SPEC = TOOLS[0]
@@ -253,3 +254,26 @@ def test_requests_are_counted_in_the_metrics(client):
     text = client.get("/metrics").text
     assert 'outcome="stop"} 1.0' in text and 'outcome="length"} 1.0' in text
     assert "hybridserve:generation_tokens_total" in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_aborts_its_request(tokenizer, stream):
+    engine = FakeEngine(tokenizer, [PARIS])
+    engine.pause_at_step = 3
+
+    async def main():
+        return await call_until_disconnect(build_app(engine, None), "/v1/messages", body(stream=stream), engine.paused)
+
+    sent = asyncio.run(main())
+    assert engine.aborted == [engine.calls[0][2]] and engine.completed == [] and engine.running == 0
+    sent_body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert sent[0]["status"] == (200 if stream else 499)
+    assert b"message_stop" not in sent_body
+
+
+def test_call_arguments_that_are_no_object_are_sent_as_an_empty_input(client, engine, tokenizer, caplog):
+    engine.scripts = [script(tokenizer, '<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call>')]
+    message = client.post("/v1/messages", json=body(tools=TOOLS)).json()
+    [block] = message["content"]
+    assert (block["type"], block["input"], message["stop_reason"]) == ("tool_use", {}, "tool_use")
+    assert "arguments are not a JSON object" in caplog.text
