@@ -1,10 +1,10 @@
 """The parsed output (reasoning, text, tool calls) as Anthropic content blocks and their stream events.
 
 One writer serves both answers: it is fed the parser's pieces as they come, returns the events they make
-(`content_block_start`, `content_block_delta`*, `content_block_stop`; indices contiguous from 0) and keeps the
-finished blocks, which a non-streamed answer sends as its `content`. Consecutive reasoning (text) pieces grow
-one thinking (text) block; a thinking block closes with a `signature_delta` carrying its signature. A tool call
-arrives whole from the parsers, so its input is one `input_json_delta`.
+(`content_block_start`, `content_block_delta`*, `content_block_stop`; indices contiguous from 0; none unless
+`stream`) and keeps the finished blocks, which a non-streamed answer sends as its `content`. Consecutive
+reasoning (text) pieces grow one thinking (text) block; a thinking block closes with a `signature_delta`
+carrying its signature. A tool call arrives whole from the parsers, so its input is one `input_json_delta`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def tool_input(call: ToolCall) -> dict[str, Any]:
 
 
 class BlockWriter:
-    def __init__(self, signer: ThinkingSigner) -> None:
+    def __init__(self, signer: ThinkingSigner, stream: bool) -> None:
         self.signer = signer
+        self.stream = stream
         self.blocks: list[dict[str, Any]] = []
         self.open: str | None = None  # the type of the last block while it may still grow
         self.calls = 0
@@ -93,6 +94,5 @@ class BlockWriter:
         self.blocks.append(dict(block))
         return self._event("content_block_start", index=len(self.blocks) - 1, content_block=block)
 
-    @staticmethod
-    def _event(kind: str, **fields: Any) -> bytes:
-        return sse(kind, {"type": kind, **fields})
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        return sse(kind, {"type": kind, **fields}) if self.stream else b""

@@ -83,7 +83,7 @@ class MessagesService:
             self.engine, self.metrics, message_id, [prompt.ids], [params], arrival, request_priority(request)
         )
         answer = _Answer(message_id, self.engine.model_name, run, output_parser(self.parsers, prompt.text, tools))
-        writer = BlockWriter(self.signer)
+        writer = BlockWriter(self.signer, bool(req.stream))
         stops = tuple(req.stop_sequences or ())
         if req.stream:
             return EventStreamResponse(answer.stream(writer, stops))
