@@ -17,6 +17,7 @@ from hybridserve.rendering.chat_template import template_supports_tools
 from hybridserve.serving.anthropic.errors import error_response as anthropic_error
 from hybridserve.serving.anthropic.messages import MessagesService
 from hybridserve.serving.anthropic.routes import add_messages_routes
+from hybridserve.serving.anthropic.signature import ThinkingSigner
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions import ServingExtension, extension_for
 from hybridserve.serving.metrics import ServingMetrics
@@ -35,6 +36,8 @@ from hybridserve.serving.openai.responses.store import ResponseStore, Retention
 from hybridserve.serving.parsers import Parsers
 from hybridserve.serving.postprocess import PostprocessPool
 from hybridserve.serving.storage import Database, DataDir
+
+THINKING_SECRET_FILE = "thinking-signature.key"
 
 
 def version() -> str:
@@ -58,7 +61,8 @@ def build_app(
     """An app serving `engine` (e.g. an AsyncLLM); with `api_key`, every /v1 route requires that key (a Bearer
     token, or Anthropic's `x-api-key` header).
 
-    Stored state (the response store) lives in one SQLite file under `data_dir`; None keeps it in memory.
+    Stored state (the response store) lives in one SQLite file under `data_dir`, beside the secret that signs the
+    Messages API's thinking blocks; None keeps both in memory.
     The app holds `data_dir` (a path, or a DataDir the caller already holds) from here until it shuts down;
     DataDirInUse if another server holds it.
     `retention` bounds the stored responses by count and age (default: Retention()). `parsers` reads
@@ -116,7 +120,8 @@ def build_app(
         return await completions.create(await parse_body(request, CompletionRequest, max_body_bytes), request)
 
     _add_responses_routes(app, responses, max_body_bytes)
-    app.state.messages = MessagesService(engine, metrics, parsers, extension)
+    signer = ThinkingSigner() if held is None else ThinkingSigner.stored(held.path / THINKING_SECRET_FILE)
+    app.state.messages = MessagesService(engine, metrics, parsers, extension, signer)
     add_messages_routes(app, app.state.messages, max_body_bytes)
 
     files_and_batches = add_files_and_batches(

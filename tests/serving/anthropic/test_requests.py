@@ -11,6 +11,7 @@ from hybridserve.serving.anthropic.convert import chat_request
 from hybridserve.serving.anthropic.protocol import MessagesRequest
 from hybridserve.serving.anthropic.signature import ThinkingSigner
 from hybridserve.serving.app import build_app
+from hybridserve.serving.parsers import Parsers
 from tests.serving.anthropic.helpers import QUESTION, TOOLS, body, error, events, script
 from tests.serving.fake_engine import FakeEngine
 from tests.serving.helpers import PARIS, call_until_disconnect
@@ -277,3 +278,23 @@ def test_call_arguments_that_are_no_object_are_sent_as_an_empty_input(client, en
     [block] = message["content"]
     assert (block["type"], block["input"], message["stop_reason"]) == ("tool_use", {}, "tool_use")
     assert "arguments are not a JSON object" in caplog.text
+
+
+def test_the_signature_secret_outlives_a_restart_in_the_data_dir(tokenizer, tmp_path):
+    """A conversation with thinking blocks goes on after the server restarts on the same data directory."""
+
+    def server(data_dir=None):  # an engine per server: each runs on its own event loop
+        engine = FakeEngine(tokenizer, [script(tokenizer, "<think>Need data.</think>Paris.")])
+        return TestClient(build_app(engine, None, data_dir=data_dir, parsers=Parsers("think", "hermes")))
+
+    with server(tmp_path) as client:
+        first = client.post("/v1/messages", json=body()).json()
+    assert (tmp_path / "thinking-signature.key").stat().st_mode & 0o777 == 0o600
+    history = [*QUESTION, {"role": "assistant", "content": first["content"]}, {"role": "user", "content": "Sure?"}]
+    with server(tmp_path) as client:
+        assert client.post("/v1/messages", json=body(messages=history)).status_code == 200
+    with server() as client:  # no data directory: a secret of its own
+        assert client.post("/v1/messages", json=body(messages=history)).status_code == 400
+    (tmp_path / "thinking-signature.key").write_bytes(b"short")
+    with pytest.raises(ValueError, match="holds no thinking-signature secret"):
+        server(tmp_path)
