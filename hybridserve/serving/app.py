@@ -1,4 +1,5 @@
-"""The HTTP frontend: `build_app(engine, api_key)` wires the OpenAI endpoints, health, version, metrics."""
+"""The HTTP frontend: `build_app(engine, api_key)` wires the OpenAI endpoints, Anthropic's Messages API, health,
+version, metrics."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hybridserve.rendering.chat_template import template_supports_tools
+from hybridserve.serving.anthropic.errors import error_response as anthropic_error
+from hybridserve.serving.anthropic.messages import MessagesService
+from hybridserve.serving.anthropic.routes import add_messages_routes
+from hybridserve.serving.anthropic.signature import ThinkingSigner
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions import ServingExtension, extension_for
 from hybridserve.serving.metrics import ServingMetrics
@@ -31,6 +36,8 @@ from hybridserve.serving.openai.responses.store import ResponseStore, Retention
 from hybridserve.serving.parsers import Parsers
 from hybridserve.serving.postprocess import PostprocessPool
 from hybridserve.serving.storage import Database, DataDir
+
+THINKING_SECRET_FILE = "thinking-signature.key"
 
 
 def version() -> str:
@@ -51,9 +58,11 @@ def build_app(
     batch_settings: BatchSettings | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
-    """An app serving `engine` (e.g. an AsyncLLM); with `api_key`, every /v1 route requires that Bearer token.
+    """An app serving `engine` (e.g. an AsyncLLM); with `api_key`, every /v1 route requires that key (a Bearer
+    token, or Anthropic's `x-api-key` header).
 
-    Stored state (the response store) lives in one SQLite file under `data_dir`; None keeps it in memory.
+    Stored state (the response store) lives in one SQLite file under `data_dir`, beside the secret that signs the
+    Messages API's thinking blocks; None keeps both in memory.
     The app holds `data_dir` (a path, or a DataDir the caller already holds) from here until it shuts down;
     DataDirInUse if another server holds it.
     `retention` bounds the stored responses by count and age (default: Retention()). `parsers` reads
@@ -111,6 +120,9 @@ def build_app(
         return await completions.create(await parse_body(request, CompletionRequest, max_body_bytes), request)
 
     _add_responses_routes(app, responses, max_body_bytes)
+    signer = ThinkingSigner() if held is None else ThinkingSigner.stored(held.path / THINKING_SECRET_FILE)
+    app.state.messages = MessagesService(engine, metrics, parsers, extension, signer)
+    add_messages_routes(app, app.state.messages, max_body_bytes)
 
     files_and_batches = add_files_and_batches(
         app,
@@ -201,24 +213,32 @@ def default_parsers(
 
 
 class APIKeyMiddleware:
-    """Rejects /v1 requests without `Authorization: Bearer <api_key>`; health and metrics stay open."""
+    """Rejects /v1 requests without `Authorization: Bearer <api_key>` or (Anthropic's) `x-api-key: <api_key>`;
+    health and metrics stay open. The Messages API's routes answer in Anthropic's error shape."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.bearer = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization")
-            if given is None:
-                error = APIError(
-                    401, "Missing API key: send it as 'Authorization: Bearer <key>'.", code="invalid_api_key"
-                )
-            elif not hmac.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])
+            bearer, key = headers.get(b"authorization"), headers.get(b"x-api-key")
+            anthropic = scope["path"].startswith("/v1/messages")
+            if bearer is None and key is None:
+                form = "x-api-key: <key>" if anthropic else "Authorization: Bearer <key>"
+                error = APIError(401, f"Missing API key: send it as '{form}'.", code="invalid_api_key")
+            elif not (
+                (bearer is not None and hmac.compare_digest(bearer, self.bearer))
+                or (key is not None and hmac.compare_digest(key, self.key))
+            ):
                 error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
             else:
                 error = None
             if error is not None:
-                await error.response({"www-authenticate": "Bearer"})(scope, receive, send)
+                challenge = {"www-authenticate": "Bearer"}
+                response = anthropic_error(error, challenge) if anthropic else error.response(challenge)
+                await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -259,6 +259,27 @@ def test_responses_knows_paris(client):
         assert final.output_text == r.output_text
 
 
+def test_anthropic_sdk_knows_paris(server):
+    """The Messages API on the real model: the anthropic SDK's create, stream and count_tokens agree."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server, api_key=KEY, max_retries=0, timeout=120)
+    # this SDK has no sampling arguments any more; the server still reads them, sent as extra fields
+    request = {"model": "smollm2", "max_tokens": 32, "messages": QUESTION, "extra_body": {"temperature": 0}}
+    m = client.messages.create(**request)
+    [block] = m.content
+    assert "Paris" in block.text and m.stop_reason in ("end_turn", "max_tokens")
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == 37 and 0 < m.usage.output_tokens <= 32
+    with client.messages.stream(**request) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == block.text and (final.stop_reason, final.usage.output_tokens) == (
+        m.stop_reason,
+        m.usage.output_tokens,
+    )
+    assert client.messages.count_tokens(model="smollm2", messages=QUESTION).input_tokens == 37
+
+
 CITY_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string"}, "country": {"type": "string", "enum": ["France", "Italy"]}},
