@@ -19,6 +19,16 @@ from hybridserve.models.layers.native import FusedOps, KernelUnavailable, PagedA
 # What one layer keeps across steps: its paged KV cache, or a linear-attention layer's (conv tails, states) pair.
 LayerCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
+# The shard-plan rules every decoder checkpoint here shares: the vocabulary's two ends split by rows, the norms
+# around each layer and the final one replicated.
+DECODER_SHARD_PLAN = {
+    "model.embed_tokens.weight": "vocab",
+    "lm_head.weight": "vocab",
+    "model.norm.weight": "replicate",
+    "model.layers.*.input_layernorm.weight": "replicate",
+    "model.layers.*.post_attention_layernorm.weight": "replicate",
+}
+
 
 class CausalLM(nn.Module):
     # Checkpoint projections computed as one matmul each, by fused module name (loader.safetensors.pack).

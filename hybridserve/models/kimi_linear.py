@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from hybridserve.models.base import CausalLM, LayerCache
+from hybridserve.models.base import DECODER_SHARD_PLAN, CausalLM, LayerCache
 from hybridserve.models.cache_specs import LayerSpec, LinearStateSpec, MLASpec
 from hybridserve.models.layers.attention import AttentionMetadata
 from hybridserve.models.layers.depth_mix import DepthMix, DepthStream
@@ -147,11 +147,7 @@ class KimiLinearForCausalLM(CausalLM):
     # floats: replicated, a sharded KDA takes its heads' entries. Routed experts split by expert parallelism
     # only (whole experts per rank); shared experts and the dense MLP like a Llama MLP; the router is replicated.
     shard_plan = {
-        "model.embed_tokens.weight": "vocab",
-        "lm_head.weight": "vocab",
-        "model.norm.weight": "replicate",
-        "model.layers.*.input_layernorm.weight": "replicate",
-        "model.layers.*.post_attention_layernorm.weight": "replicate",
+        **DECODER_SHARD_PLAN,
         "model.layers.*.self_attn.q_proj.weight": "colwise:linear_num_heads,num_attention_heads",
         "model.layers.*.self_attn.o_proj.weight": "rowwise:linear_num_heads,num_attention_heads",
         # KDA: q, k, v and their convolutions split by heads, packed per rank into in_proj / conv1d

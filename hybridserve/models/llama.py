@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from hybridserve.models.base import CausalLM
+from hybridserve.models.base import DECODER_SHARD_PLAN, CausalLM
 from hybridserve.models.cache_specs import AttentionSpec
 from hybridserve.models.layers.activation import silu_gated
 from hybridserve.models.layers.attention import AttentionMetadata, paged_attention, rope_and_cache
@@ -109,11 +109,7 @@ class LlamaForCausalLM(CausalLM):
     # by intermediate rows; `.*` covers weight and bias (a colwise bias splits with its rows, a rowwise one is
     # replicated). Per-head QK norms (Qwen3) act on head_dim, the same for every head: replicated.
     shard_plan = {
-        "model.embed_tokens.weight": "vocab",
-        "lm_head.weight": "vocab",
-        "model.norm.weight": "replicate",
-        "model.layers.*.input_layernorm.weight": "replicate",
-        "model.layers.*.post_attention_layernorm.weight": "replicate",
+        **DECODER_SHARD_PLAN,
         "model.layers.*.self_attn.q_proj.*": "colwise:num_attention_heads",
         "model.layers.*.self_attn.k_proj.*": "colwise:num_key_value_heads",
         "model.layers.*.self_attn.v_proj.*": "colwise:num_key_value_heads",

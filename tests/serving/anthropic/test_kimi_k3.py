@@ -7,18 +7,14 @@ from fastapi.testclient import TestClient
 from hybridserve.serving.app import build_app
 from scripts.make_tiny_checkpoints import k3_tokenizer
 from tests.serving.anthropic.helpers import events
-from tests.serving.extensions.test_kimi_k3_server import HI, THOUGHT_THEN_HI, script
-from tests.serving.fake_engine import FakeEngine
+from tests.serving.extensions.test_kimi_k3_server import HI, k3_engine, script
 
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
 @pytest.fixture
 def engine(k3_tok):
-    engine = FakeEngine(k3_tok, [script(k3_tok, THOUGHT_THEN_HI)], max_model_len=4096)
-    engine.model_type = "kimi_k3"
-    engine.eos_token_ids = [k3_tok.eos_token_id]
-    return engine
+    return k3_engine(k3_tok)
 
 
 @pytest.fixture(scope="module")

@@ -29,12 +29,17 @@ def script(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
 
 
+def k3_engine(tok) -> FakeEngine:
+    """A scripted kimi_k3 engine that thinks, then says hi."""
+    engine = FakeEngine(tok, [script(tok, THOUGHT_THEN_HI)], max_model_len=4096)
+    engine.model_type = "kimi_k3"
+    engine.eos_token_ids = [tok.eos_token_id]
+    return engine
+
+
 @pytest.fixture
 def engine(k3_tok):
-    engine = FakeEngine(k3_tok, [script(k3_tok, THOUGHT_THEN_HI)], max_model_len=4096)
-    engine.model_type = "kimi_k3"
-    engine.eos_token_ids = [k3_tok.eos_token_id]
-    return engine
+    return k3_engine(k3_tok)
 
 
 @pytest.fixture
