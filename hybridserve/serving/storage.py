@@ -13,6 +13,7 @@ batches for abandoned ones and recover them under it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import sqlite3
@@ -23,6 +24,14 @@ from typing import Any
 
 DATABASE_FILE = "hybridserve.sqlite3"
 LOCK_FILE = "hybridserve.lock"
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether a failed write failed for want of room: a full disk or quota (ENOSPC, EDQUOT), or SQLite's
+    "database or disk is full"."""
+    if isinstance(exc, sqlite3.Error):
+        return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class DataDirInUse(RuntimeError):

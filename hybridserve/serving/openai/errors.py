@@ -61,6 +61,11 @@ def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
+# The deepest nesting of objects and arrays the JSON parser (pydantic's jiter) reads, the body's own object
+# included; deeper is refused before any of it is validated.
+MAX_JSON_DEPTH = 201
+
+
 def malformed_json() -> APIError:
     return APIError(
         400,
@@ -94,6 +99,13 @@ def validation_error(errors: list[dict]) -> APIError:
     """The first pydantic error, named by its field path (e.g. `messages[0].content`) and the value sent."""
     first = errors[0]
     if first["type"] == "json_invalid":
+        if "recursion limit exceeded" in first["msg"]:
+            return APIError(
+                400,
+                f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep (objects and arrays), deeper than "
+                "this server parses.",
+                code="json_too_deep",
+            )
         return malformed_json()
     param = _param_path(tuple(first["loc"]))
     if param is None:

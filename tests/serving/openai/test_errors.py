@@ -3,6 +3,7 @@ from fastapi.testclient import TestClient
 
 from hybridserve.sampling_params import InvalidParameter
 from hybridserve.serving.app import build_app
+from hybridserve.serving.openai.errors import MAX_JSON_DEPTH
 from tests.serving.fake_engine import FakeEngine
 from tests.serving.helpers import PARIS, QUESTION, assert_error, error_body, sse_payloads
 
@@ -21,6 +22,22 @@ def test_malformed_json(client):
         400,
         "We could not parse the JSON body of your request. The body must be a valid JSON object.",
     )
+
+
+def test_a_body_nested_past_the_parsers_depth_is_refused_naming_the_limit(client):
+    def nested(depth: int) -> bytes:  # the body's object, then arrays in arrays
+        arrays = depth - 1
+        return b'{"messages": [{"role": "user", "content": "hi"}], "stop": ' + b"[" * arrays + b"]" * arrays + b"}"
+
+    too_deep = f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep (objects and arrays), deeper than "
+    too_deep += "this server parses."
+    headers = {"content-type": "application/json"}
+    assert_error(
+        client.post(CHAT, content=nested(MAX_JSON_DEPTH + 1), headers=headers), 400, too_deep, code="json_too_deep"
+    )
+    assert_error(client.post(CHAT, content=nested(900), headers=headers), 400, too_deep, code="json_too_deep")
+    r = client.post(CHAT, content=nested(MAX_JSON_DEPTH), headers=headers)  # parsed: the field's own error
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.json()
 
 
 def test_body_must_be_an_object(client):

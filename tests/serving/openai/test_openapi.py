@@ -51,7 +51,7 @@ def test_json_endpoints_publish_their_request_model(document, path):
         ("/v1/completions", {"400", "401", "404", "413", "500", "503"}),
         ("/v1/responses", {"400", "401", "404", "413", "500", "503", "507"}),
         ("/v1/batches", {"400", "401", "404", "413", "429", "500"}),
-        ("/v1/files", {"400", "401", "413", "500"}),
+        ("/v1/files", {"400", "401", "413", "500", "507"}),
     ],
 )
 def test_endpoints_publish_their_error_responses_in_openai_shape(document, path, statuses):

@@ -82,7 +82,7 @@ def add_files_and_batches(
         ["file", "purpose"],
     )
 
-    @app.post("/v1/files", openapi_extra=upload, responses=errors(400, 413))
+    @app.post("/v1/files", openapi_extra=upload, responses=errors(400, 413, 507))
     async def upload_file(request: Request) -> Response:
         return json_response(await files.upload(request))
 

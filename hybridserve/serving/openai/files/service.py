@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import FileResponse
 
-from hybridserve.serving.openai.errors import APIError
+from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
 from hybridserve.serving.openai.files.expiry import form_expiry
 from hybridserve.serving.openai.files.store import FileStore, StoredFile, new_file_id
 from hybridserve.serving.openai.files.upload import receive_upload
 from hybridserve.serving.openai.protocol import list_page
+from hybridserve.serving.storage import disk_full
 
 logger = logging.getLogger(__name__)
 PURPOSES = ("batch", "user_data")
@@ -34,7 +36,19 @@ class FilesService:
         self.in_use = in_use
 
     async def upload(self, request: Request) -> dict[str, Any]:
+        """Stores the form's file; a full disk is a 507 (the partial file removed), as it is for stored responses."""
         file_id = new_file_id()
+        try:
+            return await self._upload(request, file_id)
+        except (OSError, sqlite3.Error) as exc:
+            if not disk_full(exc):
+                raise
+            logger.warning("upload %s refused: %s", file_id, exc)
+            raise APIError(
+                507, f"The file could not be stored in {self.store.directory}: {_reason(exc)}.", type=SERVER_ERROR
+            ) from None
+
+    async def _upload(self, request: Request, file_id: str) -> dict[str, Any]:
         partial = self.store.partial_path(file_id)
         try:
             form = await receive_upload(
@@ -108,3 +122,7 @@ class FilesService:
             await asyncio.sleep(interval_s)
             if deleted := self.store.delete_expired(self.in_use):
                 logger.info("deleted %d expired files: %s", len(deleted), ", ".join(deleted))
+
+
+def _reason(exc: OSError | sqlite3.Error) -> str:
+    return exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)

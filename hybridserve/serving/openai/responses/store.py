@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError
-from hybridserve.serving.storage import Database
+from hybridserve.serving.storage import Database, disk_full
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -178,7 +178,7 @@ class ResponseStore:
     def write_error(self, exc: sqlite3.Error) -> APIError:
         """What a client is told when a response could not be stored: 507 when the disk (or the database) is
         full, 500 for any other failed write."""
-        status = 507 if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL else 500
+        status = 507 if disk_full(exc) else 500
         return APIError(status, f"The response could not be stored in {self.db.path}: {exc}.", type=SERVER_ERROR)
 
     def events(self, response_id: str) -> list[bytes]:

@@ -1,6 +1,10 @@
 """/v1/files: the openai SDK's upload / list / retrieve / content / delete, the size limit, and bad uploads."""
 
+import contextlib
+import subprocess
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -202,3 +206,34 @@ def test_a_database_from_before_expiry_opens(engine, tmp_path):
         old = client.get("/v1/files/file-old").json()
         assert (old["filename"], old["expires_at"]) == ("old.txt", None)
         assert client.get("/v1/batches").json()["data"] == []
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: int) -> Iterator[Path]:
+    """`path` as a filesystem of `size` bytes (a tmpfs; mounting one needs root, as CI has), unmounted after."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True, timeout=30
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a {size}-byte tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True, timeout=30)
+
+
+def test_an_upload_on_a_full_disk_is_a_507_and_leaves_nothing_behind(engine, tmp_path):
+    settings = BatchSettings(max_upload_bytes=1024**2)
+    with (
+        small_disk(tmp_path / "files", 64 * 1024) as files,
+        TestClient(build_app(engine, None, tmp_path, batch_settings=settings)) as http,
+    ):
+        r = http.post("/v1/files", files={"file": ("big.jsonl", DATA * 1000)}, data={"purpose": "batch"})
+        message = f"The file could not be stored in {files}: No space left on device."
+        assert (r.status_code, r.json()) == (507, error_body(message, type="server_error"))
+        assert list(files.iterdir()) == []  # the partial upload is gone, its room back
+        assert http.get("/v1/files").json()["data"] == []
+        small = http.post("/v1/files", files={"file": ("in.jsonl", DATA)}, data={"purpose": "batch"})
+        assert small.status_code == 200, small.json()
+        assert (files / small.json()["id"]).read_bytes() == DATA
