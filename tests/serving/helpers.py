@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 import uvicorn
 
 from tests.serving.openapi_schema import check
@@ -122,3 +125,18 @@ def serve_with_engine(monkeypatch, build) -> None:
     module = types.ModuleType("hybridserve.router.deploy")
     module.build_engine = lambda config, deployment=None, serving=None, on_fatal=None: build(config)
     monkeypatch.setitem(sys.modules, "hybridserve.router.deploy", module)
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: int) -> Iterator[Path]:
+    """`path` as a filesystem of `size` bytes (a tmpfs; mounting one needs root, as CI has), unmounted after."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True, timeout=30
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a {size}-byte tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True, timeout=30)

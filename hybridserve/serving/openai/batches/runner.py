@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -51,6 +52,7 @@ from hybridserve.serving.openai.batches.protocol import (
 from hybridserve.serving.openai.batches.store import Batch, BatchStore
 from hybridserve.serving.openai.batches.validate import read_lines, validate_input
 from hybridserve.serving.openai.files.store import FileStore
+from hybridserve.serving.storage import disk_full
 
 logger = logging.getLogger(__name__)
 EXPIRED = "This request could not be executed before the completion window expired."
@@ -219,8 +221,7 @@ class BatchRunner:
             raise
         except Exception as exc:  # a bug, or the disk: the batch fails loudly, with what it has
             logger.exception("batch %s failed", batch_id)
-            error = {"code": "server_error", "line": None, "message": f"The batch failed: {exc}", "param": None}
-            self._end(batch_id, "failed", errors=[error])
+            self._end(batch_id, "failed", errors=[self._failure(exc)])
         finally:
             del self._jobs[batch_id]
             self._admit()
@@ -338,9 +339,25 @@ class BatchRunner:
         logger.info("batch %s: expired with %d requests not run", batch.id, expired)
         self._end(batch.id, "expired")
 
+    def _failure(self, exc: Exception) -> dict:
+        """The error a batch that failed with `exc` reports."""
+        if disk_full(exc):
+            message = (
+                f"The batch failed: its results could not be written to {self.files.directory}: "
+                f"{getattr(exc, 'strerror', None) or exc}. The results written before are in its output and error "
+                "files."
+            )
+            return {"code": "insufficient_storage", "line": None, "message": message, "param": None}
+        return {"code": "server_error", "line": None, "message": f"The batch failed: {exc}", "param": None}
+
     def _end(self, batch_id: str, status: str, errors: list | None = None) -> None:
-        """The terminal status, with the output and error files registered (empty ones are removed)."""
+        """The terminal status, with the output and error files registered at their committed lengths (a line a
+        failed write tore is cut off; empty files are removed)."""
         batch = self._get(batch_id)
+        for file_id, size in ((batch.output_file_id, batch.output_bytes), (batch.error_file_id, batch.error_bytes)):
+            path = self.files.path(file_id)
+            if size and path.exists() and path.stat().st_size > size:
+                os.truncate(path, size)
         values: dict = {f"{status}_at": self.now()}
         if errors is not None:
             values["errors"] = errors

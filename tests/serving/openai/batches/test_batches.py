@@ -20,7 +20,7 @@ from hybridserve.serving.openai.batches.validate import validate_input
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.storage import DATABASE_FILE, Database
 from tests.serving.fake_engine import FakeEngine
-from tests.serving.helpers import PARIS, QUESTION, error_body, serve_with_engine, without_ids
+from tests.serving.helpers import PARIS, QUESTION, error_body, serve_with_engine, small_disk, without_ids
 
 TEXT = "The capital of France is Paris."
 BODIES = {
@@ -670,3 +670,22 @@ def test_cli_flags_reach_the_batch_settings(monkeypatch, tokenizer, capsys):
             cli.main(["serve", flag, bad])
         assert exit_info.value.code == 2
         assert f"{flag}: must be at least {expected}, got {bad}" in capsys.readouterr().err
+
+
+def test_a_full_disk_fails_the_batch_naming_it_and_keeps_the_results_written_whole(app_client, tmp_path):
+    with small_disk(tmp_path / "files", 16 * 1024) as files:
+        client = app_client()
+        custom_ids = [f"request-{i}" for i in range(60)]
+        batch = wait_for(client, create(client, jsonl([line(c) for c in custom_ids]))["id"], "failed")
+        message = (
+            f"The batch failed: its results could not be written to {files}: No space left on device. The results "
+            "written before are in its output and error files."
+        )
+        assert batch["errors"]["data"] == [
+            {"code": "insufficient_storage", "line": None, "message": message, "param": None}
+        ]
+        written = lines_of(client, batch["output_file_id"])  # each parses: no line torn by the failed write
+        assert 0 < len(written) == batch["request_counts"]["completed"] < len(custom_ids)
+        assert {r["custom_id"] for r in written} <= set(custom_ids)
+        output = client.get(f"/v1/files/{batch['output_file_id']}").json()
+        assert output["bytes"] == (files / batch["output_file_id"]).stat().st_size

@@ -1,10 +1,6 @@
 """/v1/files: the openai SDK's upload / list / retrieve / content / delete, the size limit, and bad uploads."""
 
-import contextlib
-import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
@@ -13,7 +9,7 @@ from fastapi.testclient import TestClient
 from hybridserve.serving.app import build_app
 from hybridserve.serving.openai.batches.runner import BatchSettings
 from hybridserve.serving.storage import DATABASE_FILE, Database
-from tests.serving.helpers import error_body
+from tests.serving.helpers import error_body, small_disk
 
 DATA = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
 
@@ -206,21 +202,6 @@ def test_a_database_from_before_expiry_opens(engine, tmp_path):
         old = client.get("/v1/files/file-old").json()
         assert (old["filename"], old["expires_at"]) == ("old.txt", None)
         assert client.get("/v1/batches").json()["data"] == []
-
-
-@contextlib.contextmanager
-def small_disk(path: Path, size: int) -> Iterator[Path]:
-    """`path` as a filesystem of `size` bytes (a tmpfs; mounting one needs root, as CI has), unmounted after."""
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True, timeout=30
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a {size}-byte tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True, timeout=30)
 
 
 def test_an_upload_on_a_full_disk_is_a_507_and_leaves_nothing_behind(engine, tmp_path):
