@@ -8,6 +8,7 @@ GIL while they encode, and the event loop goes on serving other requests meanwhi
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,6 +30,30 @@ async def off_loop(size: int, work: Callable[..., T], *args: Any, **kwargs: Any)
     if size > OFF_LOOP_SIZE:
         return await asyncio.to_thread(work, *args, **kwargs)
     return work(*args, **kwargs)
+
+
+@functools.cache
+def max_token_bytes(tokenizer: Any) -> int | None:
+    """At least as many bytes of text as any one token of `tokenizer` stands for: the longest token's spelling in
+    UTF-8 (a byte-level token's spelling takes one character, of up to two bytes, per byte it stands for; a
+    SentencePiece byte token, six for one). None where a normalizer may shrink the text before it is split."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    spellings = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max(len(s.encode()) for s in spellings if s is not None)
+
+
+def too_long(tokenizer: Any, text: str, limit: int) -> tuple[int, int, int] | None:
+    """Whether `text`'s bytes alone prove it at least `limit` tokens (no token spans more than max_token_bytes):
+    (that floor, the bytes, max_token_bytes) if so, else None (also where the tokenizer gives no bound)."""
+    size = len(text.encode())
+    if size < limit:  # a token is at least a byte
+        return None
+    most = max_token_bytes(tokenizer)
+    if most is None or -(-size // most) < limit:
+        return None
+    return -(-size // most), size, most
 
 
 async def tokenized(tokenizer, text: str) -> Prompt:

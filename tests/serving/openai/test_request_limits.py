@@ -2,10 +2,12 @@
 JSON's own types, valid function schemas, and known tool types and `include` values, on every endpoint."""
 
 import json
+import re
 from typing import get_args
 
 import pytest
 
+from hybridserve.serving.openai.prompt import max_token_bytes
 from hybridserve.serving.openai.responses.protocol import Includable
 from hybridserve.serving.openai.tools import CHAT_TOOL_TYPES, RESPONSES_TOOL_TYPES
 from tests.serving.helpers import QUESTION, assert_error
@@ -198,3 +200,33 @@ def test_include_values(client, engine):
         r, 400, f"Invalid value for 'include[1]': {expected}, got \"everything\".", "include[1]", "invalid_value"
     )
     assert len(engine.calls) == 1
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/responses"])
+def test_a_prompt_whose_bytes_prove_it_too_long_is_refused_before_it_is_tokenized(
+    client, engine, tokenizer, monkeypatch, path
+):
+    """A tool with a 20,000-value enum renders to ~400 kB: more tokens than the context holds whatever the text,
+    since no token spans more than max_token_bytes. It is refused from its size, never tokenized."""
+    encoded: list[int] = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or encode(text, **kw))
+    huge = {"type": "object", "properties": {"id": {"enum": [f"value-{i:05d}" for i in range(20_000)]}}}
+    tool = {"type": "function", "function": {"name": "pick", "parameters": huge}}
+    if path != CHAT:
+        tool = {"type": "function", "name": "pick", "parameters": huge}
+    r = client.post(path, json={**ENDPOINTS[path], "tools": [tool]})
+    what = "messages" if path == CHAT else "input"
+    most = max_token_bytes(tokenizer)
+    assert most is not None and r.status_code == 400, r.json()
+    shown = re.search(r"your \w+ is (\d+) bytes", r.json()["error"]["message"])
+    assert shown is not None, r.json()
+    size = int(shown.group(1))
+    assert size > 256 * most  # the fake engine's context
+    message = (
+        f"This model's maximum context length is 256 tokens. However, your {what} is {size} bytes once rendered, "
+        f"at least {-(-size // most)} tokens (no token spans more than {most} bytes), which leaves no room for the "
+        f"completion. Please reduce the length of the {what}."
+    )
+    assert_error(r, 400, message, what, "context_length_exceeded")
+    assert all(n < 1000 for n in encoded) and not engine.calls  # only small strings were tokenized
