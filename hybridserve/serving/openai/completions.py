@@ -17,6 +17,7 @@ from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, json_response
 from hybridserve.serving.openai.generation import (
     GenerationRun,
+    check_size,
     fit_to_context,
     prompt_logprobs_body,
     request_priority,
@@ -37,6 +38,10 @@ class CompletionService:
         self.vocab_size = len(engine.tokenizer)
 
     def tokenize(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
+        for k, text in enumerate(texts):
+            what = "prompt" if isinstance(prompt, str) or len(prompt) == 1 else f"prompt[{k}]"
+            check_size(self.tokenizer, text, self.engine.max_model_len, what)
         if isinstance(prompt, str):
             prompts = [self.tokenizer.encode(prompt)]
         elif not prompt:

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 
@@ -21,9 +22,27 @@ from hybridserve.sampling_params import InvalidParameter, SamplingParams
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, invalid_parameter
+from hybridserve.serving.openai.prompt import too_long
 from hybridserve.serving.openai.sse import SSE_DONE, aclose, sse_event
 
 logger = logging.getLogger(__name__)
+
+
+def check_size(tokenizer: Any, text: str, max_model_len: int, what: str, rendered: bool = False) -> None:
+    """A 400 (context_length_exceeded) when `text`'s bytes alone prove it too long for the context: refused by
+    its size, before seconds of tokenizing it (prompt.too_long)."""
+    if (floor := too_long(tokenizer, text, max_model_len)) is None:
+        return
+    tokens, size, most = floor
+    size_text = f"{size} bytes once rendered" if rendered else f"{size} bytes"
+    raise APIError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, your {what} is {size_text}, at "
+        f"least {tokens} tokens (no token spans more than {most} bytes), which leaves no room for the completion. "
+        f"Please reduce the length of the {what}.",
+        param=what,
+        code="context_length_exceeded",
+    )
 
 
 def fit_to_context(

@@ -22,8 +22,8 @@ from hybridserve.sampling_params import SamplingParams
 from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions.base import ServingExtension
 from hybridserve.serving.openai.errors import APIError
-from hybridserve.serving.openai.generation import fit_to_context
-from hybridserve.serving.openai.prompt import Prompt, tokenized, too_long
+from hybridserve.serving.openai.generation import check_size, fit_to_context
+from hybridserve.serving.openai.prompt import Prompt, tokenized
 from hybridserve.serving.openai.protocol import SamplingRequest
 from hybridserve.serving.openai.structured import structured_output
 from hybridserve.serving.openai.tools import ToolRequest, required_by, tool_request
@@ -124,15 +124,5 @@ class Preamble:
             text = self.renderer.render(messages, tools.template_tools(), template_kwargs)
         except RenderError as exc:
             raise APIError(400, str(exc), param=dialect.prompt_param) from None
-        limit = self.engine.max_model_len
-        if (floor := too_long(self.engine.tokenizer, text, limit)) is not None:
-            what = dialect.prompt_param  # refused by its size, before seconds of tokenizing it
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, your {what} is {floor[1]} bytes "
-                f"once rendered, at least {floor[0]} tokens (no token spans more than {floor[2]} bytes), which leaves "
-                f"no room for the completion. Please reduce the length of the {what}.",
-                param=what,
-                code="context_length_exceeded",
-            )
+        check_size(self.engine.tokenizer, text, self.engine.max_model_len, dialect.prompt_param, rendered=True)
         return await tokenized(self.engine.tokenizer, text)

@@ -230,3 +230,24 @@ def test_a_prompt_whose_bytes_prove_it_too_long_is_refused_before_it_is_tokenize
     )
     assert_error(r, 400, message, what, "context_length_exceeded")
     assert all(n < 1000 for n in encoded) and not engine.calls  # only small strings were tokenized
+
+
+def test_a_completion_prompt_whose_bytes_prove_it_too_long_is_refused_before_it_is_tokenized(
+    client, engine, tokenizer, monkeypatch
+):
+    encoded: list[int] = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or encode(text, **kw))
+    most = max_token_bytes(tokenizer)
+    assert most is not None
+    text = "word " * (256 * most // 5 + 1)
+    r = client.post("/v1/completions", json={"prompt": text})
+    message = (
+        f"This model's maximum context length is 256 tokens. However, your prompt is {len(text)} bytes, at least "
+        f"{-(-len(text) // most)} tokens (no token spans more than {most} bytes), which leaves no room for the "
+        "completion. Please reduce the length of the prompt."
+    )
+    assert_error(r, 400, message, "prompt", "context_length_exceeded")
+    r = client.post("/v1/completions", json={"prompt": ["hi", text]})
+    assert r.json()["error"]["param"] == "prompt[1]"
+    assert encoded == [] and not engine.calls
