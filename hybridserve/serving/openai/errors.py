@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridserve.sampling_params import InvalidParameter
+from hybridserve.serving.storage import disk_full
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
@@ -130,6 +131,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         # Starlette re-raises after this response is sent, so the server logs the traceback.
+        if disk_full(exc):  # any write path the routes do not answer themselves
+            return APIError(
+                507, f"The server could not store what the request writes: {exc}.", type=SERVER_ERROR
+            ).response()
         return APIError(500, f"Internal server error: {exc}", type=SERVER_ERROR).response()
 
     app.add_exception_handler(APIError, on_api_error)

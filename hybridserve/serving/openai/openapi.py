@@ -28,7 +28,7 @@ ERROR_DESCRIPTIONS = {
     429: "Too many batches already wait for a runner slot (--max-queued-batches).",
     500: "The engine or the server failed.",
     503: "No engine worker can serve the request now; retrying later may succeed.",
-    507: "The response or file could not be stored: the disk is full.",
+    507: "What the request writes could not be stored: the disk is full.",
 }
 
 

@@ -104,7 +104,7 @@ def add_files_and_batches(
     async def delete_file(file_id: str) -> Response:
         return json_response(files.delete(file_id))
 
-    @app.post("/v1/batches", openapi_extra=json_body(CreateBatchRequest), responses=errors(400, 404, 413, 429))
+    @app.post("/v1/batches", openapi_extra=json_body(CreateBatchRequest), responses=errors(400, 404, 413, 429, 507))
     async def create_batch(request: Request) -> Response:
         return json_response(batches.create(await parse_body(request, CreateBatchRequest, max_body_bytes)))
 

@@ -689,3 +689,18 @@ def test_a_full_disk_fails_the_batch_naming_it_and_keeps_the_results_written_who
         assert {r["custom_id"] for r in written} <= set(custom_ids)
         output = client.get(f"/v1/files/{batch['output_file_id']}").json()
         assert output["bytes"] == (files / batch["output_file_id"]).stat().st_size
+
+
+def test_a_batch_created_on_a_full_disk_is_a_507(tokenizer, tmp_path):
+    """The database cannot grow (SQLite's SQLITE_FULL, as on a full disk): creating a batch is refused with a 507,
+    not a 500, and nothing is left half-made. (The server then logs the traceback, as for every unexpected error.)"""
+    app = build_app(FakeEngine(tokenizer, [PARIS]), None, tmp_path, batch_settings=FAST)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        file_id = upload(client, jsonl([line("one")]))
+        app.state.response_store.db.execute("PRAGMA max_page_count = 1")  # never below its size: full as it is
+        body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        body["metadata"] = {f"key-{i}": "x" * 500 for i in range(16)}  # a row that needs pages of its own
+        r = client.post("/v1/batches", json=body)
+        message = "The server could not store what the request writes: database or disk is full."
+        assert (r.status_code, r.json()) == (507, error_body(message, type="server_error"))
+        assert client.get("/v1/batches").json()["data"] == []
