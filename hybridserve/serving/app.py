@@ -29,6 +29,7 @@ from hybridserve.serving.openai.endpoints import GenerationServices
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, install_error_handlers, json_response
 from hybridserve.serving.openai.models import ModelsService
 from hybridserve.serving.openai.openapi import errors, json_body, publish
+from hybridserve.serving.openai.priority import FCFS
 from hybridserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hybridserve.serving.openai.responses.protocol import ResponsesRequest
 from hybridserve.serving.openai.responses.service import ResponsesService
@@ -57,6 +58,7 @@ def build_app(
     extension: ServingExtension | None = None,
     batch_settings: BatchSettings | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    scheduling_policy: str = FCFS,
 ) -> FastAPI:
     """An app serving `engine` (e.g. an AsyncLLM); with `api_key`, every /v1 route requires that key (a Bearer
     token, or Anthropic's `x-api-key` header).
@@ -71,6 +73,7 @@ def build_app(
     `extension` handles model-specific requests (default: the one registered for the engine's model_type).
     `batch_settings` bounds the Files and Batch APIs (default: BatchSettings()); file bytes live under `data_dir`.
     `max_body_bytes` bounds a JSON request body (a 413 past it); file uploads have `batch_settings`' own limit.
+    `scheduling_policy` (--scheduling-policy): "priority" honours clients' `priority` field, "fcfs" refuses it.
     """
     metrics = ServingMetrics(engine.model_name, engine.workers)
     held = data_dir if isinstance(data_dir, DataDir) or data_dir is None else DataDir(data_dir)
@@ -80,7 +83,7 @@ def build_app(
         extension = extension_for(engine.model_type)
     if parsers is None:
         parsers = default_parsers(engine.tokenizer, extension)
-    services = GenerationServices.build(engine, metrics, store, parsers, extension, postprocess)
+    services = GenerationServices.build(engine, metrics, store, parsers, extension, postprocess, scheduling_policy)
     chat, completions, responses = services.chat, services.completions, services.responses
     models = ModelsService(engine)
 
@@ -121,7 +124,7 @@ def build_app(
 
     _add_responses_routes(app, responses, max_body_bytes)
     signer = ThinkingSigner() if held is None else ThinkingSigner.stored(held.path / THINKING_SECRET_FILE)
-    app.state.messages = MessagesService(engine, metrics, parsers, extension, signer)
+    app.state.messages = MessagesService(engine, metrics, parsers, extension, signer, scheduling_policy)
     add_messages_routes(app, app.state.messages, max_body_bytes)
 
     files_and_batches = add_files_and_batches(
