@@ -15,6 +15,7 @@ from hybridserve.speculative import SpeculativeConfig, parse_speculative_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GENERATION_CONFIGS = ("auto", "none")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 ROLES = ("both", "prefill", "decode")
 TRANSFER_FAILURE_POLICIES = ("fail", "recompute")
 _UNITS = {
@@ -360,8 +361,8 @@ _PARTS: dict[str, type] = {
 
 @dataclass(frozen=True)
 class ServingConfig:
-    """The frontend's own model settings: what clients call the model and the sampling defaults it applies. Never
-    sent to a worker."""
+    """The frontend's own model settings: what clients call the model, the sampling defaults it applies and whether
+    clients' priorities order their requests. Never sent to a worker."""
 
     served_model_name: str | None = setting(
         None, "model id clients send and see; None: smollm2, or the model path's stem"
@@ -372,6 +373,14 @@ class ServingConfig:
         "those the model's generation_config.json sets, as vLLM does; none: OpenAI's, temperature 1 and top_p 1 with "
         "no top_k, min_p or repetition penalty)",
         choices=GENERATION_CONFIGS,
+    )
+    scheduling_policy: str = setting(
+        "fcfs",
+        "fcfs: online requests are served first come, first served (batch requests after them) and one that sets a "
+        "non-zero priority is refused (400); priority: the requests' priority field (an integer in [-1000000, "
+        "1000000], default 0) orders them, lower first, less urgent work preempted first and sharing "
+        "--batch-step-tokens of a step while more urgent work runs, every batch request still after every online one",
+        choices=SCHEDULING_POLICIES,
     )
 
     def __post_init__(self) -> None:

@@ -1,5 +1,5 @@
-"""The HTTP frontend: `build_app(engine, api_key)` wires the OpenAI endpoints, Anthropic's Messages API, health,
-version, metrics."""
+"""The HTTP frontend: `build_app(engine, api_key)` wires the OpenAI endpoints, Anthropic's Messages API, vLLM's
+/tokenize and /detokenize, health, version, metrics."""
 
 from __future__ import annotations
 
@@ -28,11 +28,13 @@ from hybridserve.serving.openai.body import DEFAULT_MAX_BODY_BYTES, parse_body
 from hybridserve.serving.openai.endpoints import GenerationServices
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, install_error_handlers, json_response
 from hybridserve.serving.openai.models import ModelsService
-from hybridserve.serving.openai.openapi import errors, json_body, publish
+from hybridserve.serving.openai.openapi import KEYED_PATHS, errors, json_body, publish
+from hybridserve.serving.openai.priority import FCFS
 from hybridserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hybridserve.serving.openai.responses.protocol import ResponsesRequest
 from hybridserve.serving.openai.responses.service import ResponsesService
 from hybridserve.serving.openai.responses.store import ResponseStore, Retention
+from hybridserve.serving.openai.tokenize import DetokenizeRequest, TokenizeRequest, TokenizeService, add_tokenize_routes
 from hybridserve.serving.parsers import Parsers
 from hybridserve.serving.postprocess import PostprocessPool
 from hybridserve.serving.storage import Database, DataDir
@@ -57,9 +59,10 @@ def build_app(
     extension: ServingExtension | None = None,
     batch_settings: BatchSettings | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    scheduling_policy: str = FCFS,
 ) -> FastAPI:
-    """An app serving `engine` (e.g. an AsyncLLM); with `api_key`, every /v1 route requires that key (a Bearer
-    token, or Anthropic's `x-api-key` header).
+    """An app serving `engine` (e.g. an AsyncLLM); with `api_key`, every /v1 route (and /tokenize, /detokenize)
+    requires that key (a Bearer token, or Anthropic's `x-api-key` header).
 
     Stored state (the response store) lives in one SQLite file under `data_dir`, beside the secret that signs the
     Messages API's thinking blocks; None keeps both in memory.
@@ -71,6 +74,7 @@ def build_app(
     `extension` handles model-specific requests (default: the one registered for the engine's model_type).
     `batch_settings` bounds the Files and Batch APIs (default: BatchSettings()); file bytes live under `data_dir`.
     `max_body_bytes` bounds a JSON request body (a 413 past it); file uploads have `batch_settings`' own limit.
+    `scheduling_policy` (--scheduling-policy): "priority" honours clients' `priority` field, "fcfs" refuses it.
     """
     metrics = ServingMetrics(engine.model_name, engine.workers)
     held = data_dir if isinstance(data_dir, DataDir) or data_dir is None else DataDir(data_dir)
@@ -80,7 +84,7 @@ def build_app(
         extension = extension_for(engine.model_type)
     if parsers is None:
         parsers = default_parsers(engine.tokenizer, extension)
-    services = GenerationServices.build(engine, metrics, store, parsers, extension, postprocess)
+    services = GenerationServices.build(engine, metrics, store, parsers, extension, postprocess, scheduling_policy)
     chat, completions, responses = services.chat, services.completions, services.responses
     models = ModelsService(engine)
 
@@ -120,8 +124,9 @@ def build_app(
         return await completions.create(await parse_body(request, CompletionRequest, max_body_bytes), request)
 
     _add_responses_routes(app, responses, max_body_bytes)
+    add_tokenize_routes(app, TokenizeService(engine, extension), max_body_bytes)
     signer = ThinkingSigner() if held is None else ThinkingSigner.stored(held.path / THINKING_SECRET_FILE)
-    app.state.messages = MessagesService(engine, metrics, parsers, extension, signer)
+    app.state.messages = MessagesService(engine, metrics, parsers, extension, signer, scheduling_policy)
     add_messages_routes(app, app.state.messages, max_body_bytes)
 
     files_and_batches = add_files_and_batches(
@@ -134,7 +139,8 @@ def build_app(
         max_body_bytes,
         engine.check_health,
     )
-    publish(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, CreateBatchRequest])
+    bodies = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, CreateBatchRequest]
+    publish(app, [*bodies, TokenizeRequest, DetokenizeRequest])
     return app
 
 
@@ -213,8 +219,9 @@ def default_parsers(
 
 
 class APIKeyMiddleware:
-    """Rejects /v1 requests without `Authorization: Bearer <api_key>` or (Anthropic's) `x-api-key: <api_key>`;
-    health and metrics stay open. The Messages API's routes answer in Anthropic's error shape."""
+    """Rejects requests to KEYED_PATHS (/v1, /tokenize, /detokenize) without `Authorization: Bearer <api_key>` or
+    (Anthropic's) `x-api-key: <api_key>`; health and metrics stay open. The Messages API's routes answer in
+    Anthropic's error shape."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -222,7 +229,7 @@ class APIKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(KEYED_PATHS):
             headers = dict(scope["headers"])
             bearer, key = headers.get(b"authorization"), headers.get(b"x-api-key")
             anthropic = scope["path"].startswith("/v1/messages")

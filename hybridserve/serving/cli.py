@@ -311,6 +311,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             extension,
             batch_settings=batches,
             max_body_bytes=args.max_request_body_bytes,
+            scheduling_policy=serving.scheduling_policy,
         )
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         servers.append(ReadyServer(server_config, engine.model_name, stop))

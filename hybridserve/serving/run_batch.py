@@ -252,7 +252,8 @@ async def _execute(
     with tempfile.TemporaryDirectory(prefix="hybridserve-run-batch-") as store_dir:
         db = Database(Path(store_dir) / DATABASE_FILE)
         try:
-            services = GenerationServices.build(engine, metrics, ResponseStore(db), parsers, extension)
+            store, policy = ResponseStore(db), args.scheduling_policy
+            services = GenerationServices.build(engine, metrics, store, parsers, extension, policy=policy)
             run = OfflineRun(
                 engine,
                 services.batch_endpoints(),

@@ -11,7 +11,7 @@ Logprobs are synthetic and exact: token at position p has logprob -(p + 1) / 8, 
 [sampled, id+1, id+2, ...] with logprobs lp, lp - 1, lp - 2, ... (binary fractions, so tests compare them with
 ==). Prompt logprobs follow the same rule, p being the prompt position (the first token's is None).
 
-What tests read (`calls`, `priorities`, `aborted`, `completed`, `running`) is counted per engine request, as
+What tests read (`calls`, `priorities`, `requests`, `aborted`, `completed`, `running`) is counted per engine request, as
 the engine core sees them: a request with n choices is n engine requests (ids `<id>-<i>`), and a sequence a
 stop string ended is aborted in the engine (the frontend stops it), not completed.
 """
@@ -74,6 +74,7 @@ class ScriptedCore:
         self.paused = asyncio.Event()
         self.resume = asyncio.Event()
         self.calls: list[tuple[list[int], SamplingParams, str]] = []
+        self.requests: list[EngineCoreRequest] = []  # every engine request, as it came
         self.priorities: dict[str, int] = {}  # engine request id → the scheduling priority it came with
         self.aborted: list[str] = []
         self.completed: list[str] = []
@@ -95,6 +96,7 @@ class ScriptedCore:
         for index, request in enumerate(requests):
             self.calls.append((request.prompt_token_ids, request.sampling_params, request.request_id))
             self.priorities[request.request_id] = request.priority
+            self.requests.append(request)
             self._runs[request.request_id] = _Run(request, scripts[index % len(scripts)], index)
         if self._work is not None:
             self._work.set()
@@ -222,6 +224,7 @@ class FakeEngine(AsyncLLM):
     resume = _core_knob("resume")
     calls = _core_knob("calls")
     priorities = _core_knob("priorities")
+    requests = _core_knob("requests")
     aborted = _core_knob("aborted")
     completed = _core_knob("completed")
     running = _core_knob("running")

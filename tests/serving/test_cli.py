@@ -181,28 +181,44 @@ def test_kimi_param_policy_default_from_the_environment(monkeypatch, capsys):
     assert f"${POLICY_ENV} must be 1 or 0, got 'yes'" in capsys.readouterr().err
 
 
-def test_serve_hands_the_extension_its_config(monkeypatch, tokenizer):
+def serve_app_arguments(monkeypatch, engine, argv: list[str]) -> dict:
+    """What `hybridserve serve ARGV` hands build_app, by name (the app itself never built or served)."""
     from hybridserve.serving import app
+
+    seen = {}
+    engine.shutdown = lambda: None
+
+    def build_app(engine, api_key, data_dir, retention, parsers, pool, extension, **settings):
+        seen.update(extension=extension, **settings)
+        return object()  # never served: ReadyServer.run is stubbed
+
+    serve_with_engine(monkeypatch, lambda config: engine)
+    monkeypatch.setattr(app, "build_app", build_app)
+    monkeypatch.setattr(cli.ReadyServer, "run", lambda server: None)
+    cli.main(["serve", *argv])
+    return seen
+
+
+def test_serve_hands_the_extension_its_config(monkeypatch, tokenizer):
     from hybridserve.serving.extensions.kimi_k3 import KimiK3ServingExtension
     from tests.serving.fake_engine import FakeEngine
     from tests.serving.helpers import PARIS
 
     engine = FakeEngine(tokenizer, [PARIS])
     engine.model_type = "kimi_k3"
-    engine.shutdown = lambda: None
-    seen = {}
-
-    def build_engine(config):
-        return engine
-
-    def build_app(engine, api_key, data_dir, retention, parsers, pool, extension, batch_settings, max_body_bytes):
-        seen["extension"] = extension
-        return object()  # never served: ReadyServer.run is stubbed
-
-    serve_with_engine(monkeypatch, build_engine)
-    monkeypatch.setattr(app, "build_app", build_app)
-    monkeypatch.setattr(cli.ReadyServer, "run", lambda server: None)
     monkeypatch.delenv(POLICY_ENV, raising=False)
-    cli.main(["serve", "--kimi-param-policy"])
+    seen = serve_app_arguments(monkeypatch, engine, ["--kimi-param-policy"])
     assert isinstance(seen["extension"], KimiK3ServingExtension)
     assert seen["extension"].config == ExtensionConfig(kimi_param_policy=True)
+    assert seen["scheduling_policy"] == "fcfs"
+
+
+def test_scheduling_policy_flag(monkeypatch, tokenizer, capsys):
+    from tests.serving.fake_engine import FakeEngine
+    from tests.serving.helpers import PARIS
+
+    seen = serve_app_arguments(monkeypatch, FakeEngine(tokenizer, [PARIS]), ["--scheduling-policy", "priority"])
+    assert seen["scheduling_policy"] == "priority"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--scheduling-policy", "lottery"])
+    assert "argument --scheduling-policy: invalid choice: 'lottery'" in capsys.readouterr().err

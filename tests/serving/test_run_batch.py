@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from hybridserve.config import EngineConfig, ServingConfig
 from hybridserve.serving import cli
 from hybridserve.serving.app import build_app
+from hybridserve.serving.openai.priority import BATCH_OFFSET
 from tests.serving.fake_engine import FakeEngine
 from tests.serving.helpers import PARIS, QUESTION, error_body, serve_with_engine, without_ids
 
@@ -123,7 +124,7 @@ def test_every_line_runs_and_answers_what_its_http_route_answers(run, tokenizer,
     assert out["other-model"]["response"]["body"] == error_body(
         "The model `gpt-4o` does not exist.", param="model", code="model_not_found"
     )
-    assert set(engine.priorities.values()) == {1}  # batch work, as the online runner marks it
+    assert set(engine.priorities.values()) == {BATCH_OFFSET}  # batch work, as the online runner marks it
 
 
 def test_resume_cuts_a_torn_line_and_runs_only_the_missing_custom_ids(run, tokenizer, tmp_path, caplog):

@@ -29,9 +29,10 @@ from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions.base import ServingExtension
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, json_response
-from hybridserve.serving.openai.generation import GenerationRun, request_priority
+from hybridserve.serving.openai.generation import GenerationRun
 from hybridserve.serving.openai.models import check_model
 from hybridserve.serving.openai.preamble import Dialect, Preamble
+from hybridserve.serving.openai.priority import FCFS, engine_priority
 from hybridserve.serving.openai.prompt import Prompt
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect
@@ -51,7 +52,10 @@ class MessagesService:
         parsers: Parsers,
         extension: ServingExtension,
         signer: ThinkingSigner | None = None,
+        policy: str = FCFS,
     ) -> None:
+        """`policy`: the server's --scheduling-policy."""
+        self.policy = policy
         self.engine = engine
         self.metrics = metrics
         self.parsers = parsers
@@ -69,6 +73,7 @@ class MessagesService:
         if req.max_tokens < 1:
             raise APIError(400, f"max_tokens: must be at least 1, got {req.max_tokens}.", param="max_tokens")
         chat, tools = await self._chat(req)
+        priority = engine_priority(request, req.priority, self.policy)
 
         async def render(_: SamplingParams) -> Prompt:
             return await self._render(chat, tools)
@@ -79,9 +84,7 @@ class MessagesService:
         params = dataclasses.replace(prepared.params, max_tokens=min(prepared.params.max_tokens, req.max_tokens))
         message_id = f"msg_{uuid.uuid4().hex}"
         prompt = prepared.prompt
-        run = GenerationRun(
-            self.engine, self.metrics, message_id, [prompt.ids], [params], arrival, request_priority(request)
-        )
+        run = GenerationRun(self.engine, self.metrics, message_id, [prompt.ids], [params], arrival, priority)
         answer = _Answer(message_id, self.engine.model_name, run, output_parser(self.parsers, prompt.text, tools))
         writer = BlockWriter(self.signer, bool(req.stream))
         stops = tuple(req.stop_sequences or ())

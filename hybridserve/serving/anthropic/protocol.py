@@ -96,3 +96,4 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
+    priority: int | None = None  # an extension (vLLM's field): scheduling priority, see openai/priority.py

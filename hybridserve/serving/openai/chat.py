@@ -23,11 +23,11 @@ from hybridserve.serving.openai.generation import (
     GenerationRun,
     logprobs_content,
     prompt_logprobs_body,
-    request_priority,
     stream_frame,
 )
 from hybridserve.serving.openai.models import check_model
 from hybridserve.serving.openai.preamble import Preamble, chat_dialect
+from hybridserve.serving.openai.priority import FCFS, engine_priority
 from hybridserve.serving.openai.prompt import Prompt
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
@@ -38,9 +38,16 @@ from hybridserve.serving.parsers.base import merged
 
 class ChatService:
     def __init__(
-        self, engine: ServingEngine, metrics: ServingMetrics, parsers: Parsers, extension: ServingExtension
+        self,
+        engine: ServingEngine,
+        metrics: ServingMetrics,
+        parsers: Parsers,
+        extension: ServingExtension,
+        policy: str = FCFS,
     ) -> None:
+        """`policy`: the server's --scheduling-policy."""
         self.engine = engine
+        self.policy = policy
         self.metrics = metrics
         self.parsers = parsers
         self.extension = extension
@@ -50,6 +57,7 @@ class ChatService:
         arrival = time.monotonic()
         check_model(self.engine, req.model)
         req.check_stream_options()
+        priority = engine_priority(request, req.priority, self.policy)
         req = self.extension.apply_chat_extensions(req)
         dialect = chat_dialect(req.max_tokens_param)
         tools = await self.preamble.tools(dialect, req.tools, req.tool_choice, req.parallel_tool_calls)
@@ -63,9 +71,7 @@ class ChatService:
         )
         prompt, params = prepared.prompt, prepared.params
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        run = GenerationRun(
-            self.engine, self.metrics, request_id, [prompt.ids], [params], arrival, request_priority(request)
-        )
+        run = GenerationRun(self.engine, self.metrics, request_id, [prompt.ids], [params], arrival, priority)
         head = {
             "id": request_id,
             "object": "chat.completion.chunk",

@@ -20,10 +20,10 @@ from hybridserve.serving.openai.generation import (
     check_size,
     fit_to_context,
     prompt_logprobs_body,
-    request_priority,
     stream_frame,
 )
 from hybridserve.serving.openai.models import check_model
+from hybridserve.serving.openai.priority import FCFS, engine_priority
 from hybridserve.serving.openai.prompt import off_loop
 from hybridserve.serving.openai.protocol import CompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
@@ -31,8 +31,10 @@ from hybridserve.tokenizer.detokenizer import token_text
 
 
 class CompletionService:
-    def __init__(self, engine: ServingEngine, metrics: ServingMetrics) -> None:
+    def __init__(self, engine: ServingEngine, metrics: ServingMetrics, policy: str = FCFS) -> None:
+        """`policy`: the server's --scheduling-policy."""
         self.engine = engine
+        self.policy = policy
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.vocab_size = len(engine.tokenizer)
@@ -78,6 +80,7 @@ class CompletionService:
         check_model(self.engine, req.model)
         req.check_stream_options()
         req.check_supported()
+        priority = engine_priority(request, req.priority, self.policy)
         base = req.sampling_params(
             req.logprobs,
             req.max_tokens,
@@ -92,7 +95,7 @@ class CompletionService:
         params = [fit_to_context(base, len(p), max_len, what="prompt", max_tokens_param="max_tokens") for p in prompts]
         echo = self.prompt_texts(req.prompt, prompts) if req.echo else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        run = GenerationRun(self.engine, self.metrics, request_id, prompts, params, arrival, request_priority(request))
+        run = GenerationRun(self.engine, self.metrics, request_id, prompts, params, arrival, priority)
         head = {
             "id": request_id,
             "object": "text_completion",

@@ -13,6 +13,7 @@ from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.batches.protocol import BatchEndpoint
 from hybridserve.serving.openai.chat import ChatService
 from hybridserve.serving.openai.completions import CompletionService
+from hybridserve.serving.openai.priority import FCFS
 from hybridserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hybridserve.serving.openai.responses.protocol import ResponsesRequest
 from hybridserve.serving.openai.responses.service import ResponsesService
@@ -43,11 +44,13 @@ class GenerationServices:
         parsers: Parsers,
         extension: ServingExtension,
         postprocess: PostprocessPool | None = None,
+        policy: str = FCFS,
     ) -> GenerationServices:
+        """`policy`: the server's --scheduling-policy."""
         return cls(
-            ChatService(engine, metrics, parsers, extension),
-            CompletionService(engine, metrics),
-            ResponsesService(engine, metrics, store, parsers, extension, postprocess),
+            ChatService(engine, metrics, parsers, extension, policy),
+            CompletionService(engine, metrics, policy),
+            ResponsesService(engine, metrics, store, parsers, extension, postprocess, policy),
         )
 
     def batch_endpoints(self) -> dict[str, BatchEndpoint]:

@@ -14,8 +14,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.requests import Request
-
 from hybridserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.engine.protocol import EngineUnavailable
 from hybridserve.sampling_params import InvalidParameter, SamplingParams
@@ -170,15 +168,6 @@ class RunAccounting:
             for done in self.finished:
                 if not done:
                     self.metrics.outcomes[outcome].inc()
-
-
-ONLINE_PRIORITY = 0
-
-
-def request_priority(request: Request) -> int:
-    """The scheduling priority of an endpoint call: online traffic, unless the server itself made the call
-    and said otherwise in its scope (batch requests; clients cannot set it)."""
-    return getattr(request.state, "priority", ONLINE_PRIORITY)
 
 
 class GenerationRun:

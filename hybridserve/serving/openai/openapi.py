@@ -6,7 +6,7 @@ body.py), so FastAPI sees no body parameter and would publish none. Each route n
 then puts the body models into the document's components. Every error has OpenAI's shape (`ErrorResponse`).
 A request FastAPI itself rejects (a query parameter of the wrong type) is answered 400 like any other bad
 request (errors.py), so the document lists 400 where FastAPI would list its 422; every /v1 route may also
-answer 401 (a server with an API key) and 500.
+answer 401 (a server with an API key; KEYED_PATHS) and 500.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 REF = "#/components/schemas/{model}"
+# The paths a server started with --api-key guards (so they may answer 401): the API's, and vLLM's tokenizer routes.
+KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
 
 ERROR_DESCRIPTIONS = {
     400: "The request is invalid (a missing or malformed field, a value out of range, a prompt too long).",
@@ -75,7 +77,7 @@ def multipart_body(properties: dict[str, dict[str, Any]], required: list[str]) -
 
 def publish(app: FastAPI, models: list[type[BaseModel]]) -> None:
     """Serve a document that holds `models` (the bodies named by `json_body`) among its component schemas,
-    with FastAPI's 422 replaced by the 400 this server answers, and 401 and 500 on every /v1 route."""
+    with FastAPI's 422 replaced by the 400 this server answers, and 401 and 500 on every keyed route."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -90,7 +92,7 @@ def publish(app: FastAPI, models: list[type[BaseModel]]) -> None:
             schemas.update(_error_schemas())
             for path, operations in document.get("paths", {}).items():
                 for operation in operations.values():
-                    _set_errors(operation, path.startswith("/v1"))
+                    _set_errors(operation, path.startswith(KEYED_PATHS))
             app.openapi_schema = document
         return app.openapi_schema
 

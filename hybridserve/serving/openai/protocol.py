@@ -22,6 +22,7 @@ from hybridserve.sampling_params import (
     SamplingParams,
 )
 from hybridserve.serving.openai.errors import APIError, invalid_parameter
+from hybridserve.serving.openai.priority import PRIORITY_LIMIT
 
 
 class RequestModel(BaseModel):
@@ -32,7 +33,7 @@ class RequestModel(BaseModel):
 
 def ranged(default: Any = None, **bounds: float) -> Any:
     """A field whose published schema states the range SamplingParams checks (`minimum`, `exclusiveMinimum`,
-    `maximum`); the check itself stays SamplingParams', whose error names the field and the value."""
+    `maximum`); the check itself stays SamplingParams' (or the service's), whose error names the field and the value."""
     return Field(default, json_schema_extra=bounds)
 
 
@@ -68,6 +69,7 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = ranged(**LOGPROBS_RANGE)  # vLLM's: each prompt token's logprob and top k
+    priority: int | None = ranged(minimum=-PRIORITY_LIMIT, maximum=PRIORITY_LIMIT)  # vLLM's; see openai/priority.py
 
     @property
     def include_usage(self) -> bool:

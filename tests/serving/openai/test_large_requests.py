@@ -134,7 +134,7 @@ def test_max_request_body_bytes_flag(monkeypatch, tokenizer, capsys):
     assert cli.build_parser().parse_args(["serve"]).max_request_body_bytes == DEFAULT_MAX_BODY_BYTES == 16 * 1024**2
     seen = {}
 
-    def fake_build_app(*args, batch_settings, max_body_bytes):
+    def fake_build_app(*args, batch_settings, max_body_bytes, **_):
         seen["max_body_bytes"] = max_body_bytes
         raise SystemExit(0)
 

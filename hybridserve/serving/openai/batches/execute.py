@@ -22,10 +22,9 @@ from starlette.requests import Request
 
 from hybridserve.serving.openai.batches.protocol import BatchEndpoint, InputLine
 from hybridserve.serving.openai.errors import SERVER_ERROR, APIError, validation_error
+from hybridserve.serving.openai.priority import batch_state
 
 logger = logging.getLogger(__name__)
-# The scheduler serves lower values first: online traffic is 0 (generation.ONLINE_PRIORITY).
-BATCH_PRIORITY = 1
 
 
 async def call_endpoint(endpoint: BatchEndpoint, line: InputLine, who: str) -> tuple[int, bytes]:
@@ -64,9 +63,9 @@ async def _never() -> dict:
 
 def detached_request(path: str) -> Request:
     """The `request` a service watches for a disconnect: a batch request has no client to lose. Its scope
-    says it is batch work, which the scheduler admits after online requests and preempts first."""
+    says it is batch work, which the scheduler admits after every online request and preempts first."""
     scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
-    return Request({**scope, "state": {"priority": BATCH_PRIORITY}}, _never)
+    return Request({**scope, "state": batch_state()}, _never)
 
 
 async def run_bounded(requests: Iterable[Awaitable[None]], limit: int) -> None:

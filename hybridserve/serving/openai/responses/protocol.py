@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from hybridserve.sampling_params import MAX_TEMPERATURE, SamplingParams
 from hybridserve.serving.openai.errors import APIError
+from hybridserve.serving.openai.priority import PRIORITY_LIMIT
 from hybridserve.serving.openai.protocol import LOGPROBS_RANGE, RequestModel, ranged
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -79,6 +80,7 @@ class ResponsesRequest(RequestModel):
     background: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: bool | None = None  # the prompt ids the engine received and the output ids
+    priority: int | None = ranged(minimum=-PRIORITY_LIMIT, maximum=PRIORITY_LIMIT)  # vLLM's; see openai/priority.py
 
     def check_supported(self) -> None:
         if self.background and self.store is False:

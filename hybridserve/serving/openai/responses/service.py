@@ -20,9 +20,10 @@ from hybridserve.serving.engine import ServingEngine
 from hybridserve.serving.extensions.base import ServingExtension
 from hybridserve.serving.metrics import ServingMetrics
 from hybridserve.serving.openai.errors import APIError, json_response
-from hybridserve.serving.openai.generation import GenerationRun, request_priority
+from hybridserve.serving.openai.generation import GenerationRun
 from hybridserve.serving.openai.models import check_model
 from hybridserve.serving.openai.preamble import RESPONSES, Preamble
+from hybridserve.serving.openai.priority import FCFS, engine_priority
 from hybridserve.serving.openai.prompt import Prompt
 from hybridserve.serving.openai.protocol import SamplingRequest, list_page
 from hybridserve.serving.openai.responses.background import BackgroundRuns
@@ -54,8 +55,11 @@ class ResponsesService:
         parsers: Parsers,
         extension: ServingExtension,
         postprocess: PostprocessPool | None = None,
+        policy: str = FCFS,
     ) -> None:
+        """`policy`: the server's --scheduling-policy."""
         self.engine = engine
+        self.policy = policy
         self.postprocess = postprocess
         self.metrics = metrics
         self.store = store
@@ -70,6 +74,7 @@ class ResponsesService:
         arrival = time.monotonic()
         check_model(self.engine, req.model)
         req.check_supported()
+        priority = engine_priority(request, req.priority, self.policy)
         req = self.extension.apply_responses_extensions(req)
         tools = await self.preamble.tools(RESPONSES, req.tools, req.tool_choice, req.parallel_tool_calls)
         items = req.input_items(self.store.item)
@@ -103,9 +108,7 @@ class ResponsesService:
             base["status"] = "queued"
         if req.store:  # from here on a retrieve finds it: in progress (queued), then as it ended
             self._store_new(base, items, conversation)
-        run = GenerationRun(
-            self.engine, self.metrics, response_id, [prompt.ids], [params], arrival, request_priority(request)
-        )
+        run = GenerationRun(self.engine, self.metrics, response_id, [prompt.ids], [params], arrival, priority)
 
         def finish(response: dict[str, Any], pending: list[bytes]) -> dict[str, Any]:
             if req.return_token_ids:
@@ -118,7 +121,7 @@ class ResponsesService:
         # Output ids are collected by the in-process run: return_token_ids stays off the post-processing pool.
         if self.postprocess is not None and not req.background and not req.return_token_ids:
             max_len, eos = self.engine.max_model_len, self.engine.eos_token_ids
-            [child] = expand(response_id, prompt.ids, params, eos, max_len, request_priority(request))
+            [child] = expand(response_id, prompt.ids, params, eos, max_len, priority)
             job = ResponseJob(child, base, self.parsers, prompt.text, tools, bool(req.stream))
             pooled = PooledResponseRun(self.engine, self.postprocess, self.metrics, arrival, job, finish)
             if req.stream:

@@ -17,6 +17,7 @@ from hybridserve.serving.app import build_app
 from hybridserve.serving.openai.batches.runner import BatchSettings
 from hybridserve.serving.openai.batches.store import BatchStore
 from hybridserve.serving.openai.batches.validate import validate_input
+from hybridserve.serving.openai.priority import BATCH_OFFSET
 from hybridserve.serving.openai.protocol import ChatCompletionRequest
 from hybridserve.serving.storage import DATABASE_FILE, Database
 from tests.serving.fake_engine import FakeEngine
@@ -142,7 +143,8 @@ def test_sdk_round_trip_answers_what_the_endpoint_answers(app_client, tokenizer,
     assert [b.id for b in sdk.batches.list()] == [batch.id]
     # Batch work reaches the engine behind online traffic: the scheduler admits it after waiting online
     # requests and preempts it first (tests/engine/test_scheduler.py).
-    assert [engine.priorities[request_id] for _, _, request_id in engine.calls] == [1, 1, 1, 0]
+    batch = BATCH_OFFSET
+    assert [engine.priorities[request_id] for _, _, request_id in engine.calls] == [batch, batch, batch, 0]
 
 
 def test_validation_errors_name_each_line(app_client):
@@ -649,7 +651,7 @@ def test_cli_flags_reach_the_batch_settings(monkeypatch, tokenizer, capsys):
     def build_engine(config):
         return FakeEngine(tokenizer, [PARIS])
 
-    def fake_build_app(*args, batch_settings, max_body_bytes):
+    def fake_build_app(*args, batch_settings, max_body_bytes, **_):
         seen["settings"] = batch_settings
         raise SystemExit(0)
 
