@@ -191,8 +191,8 @@ class SchedulerConfig:
     )
     batch_step_tokens: int = setting(
         32,
-        "tokens of a step that less urgent requests (batch requests) may take while more urgent ones (online) run "
-        "or wait, so online steps stay short; alone, batch requests take the whole budget (0: no limit)",
+        "tokens of a step that batch requests (the Batch API's, run-batch's) may take while online requests run or "
+        "wait, so online steps stay short; alone, batch requests take the whole budget (0: no limit)",
         min=0,
     )
     speculative_config: SpeculativeConfig | None = setting(
@@ -378,8 +378,8 @@ class ServingConfig:
         "fcfs",
         "fcfs: online requests are served first come, first served (batch requests after them) and one that sets a "
         "non-zero priority is refused (400); priority: the requests' priority field (an integer in [-1000000, "
-        "1000000], default 0) orders them, lower first, less urgent work preempted first and sharing "
-        "--batch-step-tokens of a step while more urgent work runs, every batch request still after every online one",
+        "1000000], default 0) orders their admission, lower first, and preemption, the least urgent first (as "
+        "vLLM's); every batch request still comes after every online one and shares --batch-step-tokens of a step",
         choices=SCHEDULING_POLICIES,
     )
 

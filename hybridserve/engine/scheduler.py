@@ -13,7 +13,7 @@ blocks back and is recomputed later from its prompt plus the tokens it already p
 unchanged.
 Priorities order both queues: a request waits behind every waiting request of a lower priority value, and
 the running list is kept in (priority, admission) order, so preemption takes the least urgent work first.
-While more urgent work runs or waits, the less urgent (batch requests beside online ones) shares at most
+While online work runs or waits, batch work (priorities from step_budget.BACKGROUND_PRIORITY up) shares at most
 `batch_step_tokens` of a step: an online request's steps, and the step it waits for, stay short.
 
 `schedule()` writes the step as a plain-data plan (plan.py) for the model runner, and `update(plan, sampled)`
@@ -52,7 +52,7 @@ from hybridserve.engine.plan import NewRequest, ScheduledRequest, SchedulerOutpu
 from hybridserve.engine.protocol import EngineCoreOutput, FinishReason, SchedulerStats, TokenLogprobs
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.sampler import SampleResult
-from hybridserve.engine.step_budget import StepBudget
+from hybridserve.engine.step_budget import BACKGROUND_PRIORITY, StepBudget
 from hybridserve.engine.suffix_drafting import SuffixProposer
 
 
@@ -120,10 +120,10 @@ class Scheduler:
         return len(self.connector.pulling) if self.connector is not None else 0
 
     def schedule(self) -> SchedulerOutput:
-        # Work less urgent than the most urgent present (batch beside online) shares a smaller budget, so the
-        # steps that online requests wait for and run in stay short.
-        urgent = min((r.priority for r in (*self.running, *self.waiting)), default=0)
-        step = _Step(StepBudget(self.max_num_batched_tokens, urgent, self.batch_step_tokens), self._introduced)
+        # Batch work beside online work shares a smaller budget, so the steps that online requests wait for and run
+        # in stay short.
+        online = any(r.priority < BACKGROUND_PRIORITY for r in (*self.running, *self.waiting))
+        step = _Step(StepBudget(self.max_num_batched_tokens, online, self.batch_step_tokens), self._introduced)
         self._introduced = []
         preempted = self._schedule_running(step)
         # Admitting new work right after a preemption would only thrash the cache. A first pass admits only
@@ -134,10 +134,10 @@ class Scheduler:
         for shorter_only in (True, False):
             if not preempted:
                 self._admit_waiting(step, shorter_only)
-            # Leftover budget goes back to the chunks cut short, the less urgent ones within what is left of their
-            # share.
+            # Leftover budget goes back to the chunks cut short, online ones first (the more urgent first), batch ones
+            # within what is left of their share.
             budget = step.budget
-            budget.tokens = self._top_up(step.scheduled, step.capped, budget.tokens, urgent + 1)
+            budget.tokens = self._top_up(step.scheduled, step.capped, budget.tokens, BACKGROUND_PRIORITY)
             room = budget.background_room
             budget.spend_background(room - self._top_up(step.scheduled, step.capped, room))
         plan = [self._scheduled(req, n, step.drafts.get(req.request_id)) for req, n in step.scheduled]

@@ -10,6 +10,7 @@ from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.client import InprocEngineClient
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.step_budget import BACKGROUND_PRIORITY
 from hybridserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -93,7 +94,7 @@ def test_an_idle_engine_wakes_for_the_next_request(llm: LLM, engine: AsyncLLM):
 
 
 def test_online_requests_are_admitted_before_waiting_batch_work(smollm2_dir):
-    """One sequence at a time: two batch requests (priority 1) queued before an online one (0) run after it."""
+    """One sequence at a time: two batch requests (the batch band) queued before an online one (0) run after it."""
     llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", max_num_seqs=1, kv_cache_prefault=False)
     client = InprocEngineClient(llm.core, llm.config)
     engine = AsyncLLM(client, llm.tokenizer, "smollm2", llm.eos_token_ids, smollm2_dir)
@@ -107,7 +108,7 @@ def test_online_requests_are_admitted_before_waiting_batch_work(smollm2_dir):
                 finished.append(rid)
 
     async def main() -> None:
-        await asyncio.gather(run("batch-0", 1), run("batch-1", 1), run("online", 0))
+        await asyncio.gather(run("batch-0", BACKGROUND_PRIORITY), run("batch-1", BACKGROUND_PRIORITY), run("online", 0))
 
     asyncio.run(main())
     assert finished == ["online", "batch-0", "batch-1"]

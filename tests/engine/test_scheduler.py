@@ -13,10 +13,13 @@ from hybridserve.engine.protocol import EngineCoreRequest, FinishReason, Schedul
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.sampler import SampleResult
 from hybridserve.engine.scheduler import Scheduler
+from hybridserve.engine.step_budget import BACKGROUND_PRIORITY
 from hybridserve.sampling_params import InvalidParameter, SamplingParams
 
 EOS = 0
 BS = 4
+
+BATCH = BACKGROUND_PRIORITY  # batch work, as the Batch API and run-batch ask for it
 
 
 class Harness:
@@ -186,15 +189,15 @@ def test_a_waiting_batch_request_does_not_take_an_online_prefill_share() -> None
     h = Harness(max_num_batched_tokens=16)
     h.add("online", prompt(40))
     assert h.step() == [("online", 16, False)]
-    h.add("batch", prompt(4, base=200), priority=1)
+    h.add("batch", prompt(4, base=200), priority=BATCH)
     assert h.step() == [("online", 16, False)]
     assert h.step() == [("online", 8, True), ("batch", 4, True)]
 
 
 def test_batch_work_takes_at_most_its_step_share_while_online_work_is_there() -> None:
     h = Harness(max_num_batched_tokens=32, batch_step_tokens=8, long_prefill_share=1)
-    h.add("batch", prompt(100), priority=1)
-    h.add("batch-2", prompt(10, base=300), priority=1)
+    h.add("batch", prompt(100), priority=BATCH)
+    h.add("batch-2", prompt(10, base=300), priority=BATCH)
     assert h.step() == [("batch", 32, False)]  # alone, batch work has the whole budget
     h.add("online", prompt(6, base=200), max_tokens=2)
     assert h.step() == [("batch", 8, False), ("online", 6, True)]  # batch-2 waits: the share is spent
@@ -203,9 +206,19 @@ def test_batch_work_takes_at_most_its_step_share_while_online_work_is_there() ->
     assert h.step() == [("batch", 20, True), ("batch-2", 10, True)]
 
 
+def test_a_less_urgent_online_request_is_ordered_after_the_others_but_never_held_to_the_batch_share() -> None:
+    h = Harness(max_num_batched_tokens=32, batch_step_tokens=8, long_prefill_share=1)
+    h.add("later", prompt(100), priority=5)  # a client's priority under --scheduling-policy priority
+    h.add("urgent", prompt(6, base=200), priority=-1)
+    assert h.waiting() == ["urgent", "later"]
+    assert h.step() == [("urgent", 6, True), ("later", 26, False)]  # the rest of the step, not 8
+    h.add("batch", prompt(10, base=300), priority=BATCH)
+    assert h.step() == [("urgent", 1, True), ("later", 31, False)]  # batch work gets what online leaves: none
+
+
 def test_without_a_batch_step_share_batch_work_fills_the_budget_beside_online_work() -> None:
     h = Harness(max_num_batched_tokens=32, batch_step_tokens=0, long_prefill_share=1)
-    h.add("batch", prompt(100), priority=1)
+    h.add("batch", prompt(100), priority=BATCH)
     assert h.step() == [("batch", 32, False)]
     h.add("online", prompt(6, base=200), max_tokens=2)
     # A running batch prefill takes all it can (share 1): the online request waits until it is done.
@@ -216,7 +229,7 @@ def test_without_a_batch_step_share_batch_work_fills_the_budget_beside_online_wo
 
 def test_an_online_request_is_admitted_while_a_batch_prompt_is_chunked() -> None:
     h = Harness(max_num_batched_tokens=16)
-    h.add("batch", prompt(40), priority=1)
+    h.add("batch", prompt(40), priority=BATCH)
     assert h.step() == [("batch", 16, False)]
     h.add("online", prompt(6, base=200))
     assert h.step() == [("batch", 10, False), ("online", 6, True)]
@@ -226,7 +239,7 @@ def test_an_online_request_is_admitted_while_a_batch_prompt_is_chunked() -> None
 
 def test_a_running_batch_prefill_does_not_take_an_online_prefill_share() -> None:
     h = Harness(max_num_batched_tokens=16)
-    h.add("batch", prompt(40), priority=1)
+    h.add("batch", prompt(40), priority=BATCH)
     h.add("online", prompt(30, base=200))
     assert h.step() == [("online", 16, False)]
     assert h.running() == ["online"]
@@ -435,15 +448,15 @@ def test_preempted_request_goes_before_older_waiting_ones() -> None:
     assert h.waiting() == ["b", "c"]
 
 
-# priorities: online work (0) ahead of batch work (1)
+# priorities: online work (0) ahead of batch work (BATCH, the engine's batch band)
 
 
 def test_a_waiting_request_of_lower_priority_value_is_admitted_first() -> None:
     h = Harness(max_num_seqs=2)
-    h.add("batch-0", prompt(4), priority=1)
-    h.add("batch-1", prompt(4, base=200), priority=1)
+    h.add("batch-0", prompt(4), priority=BATCH)
+    h.add("batch-1", prompt(4, base=200), priority=BATCH)
     h.add("online", prompt(4, base=300))
-    h.add("batch-2", prompt(4, base=400), priority=1)
+    h.add("batch-2", prompt(4, base=400), priority=BATCH)
     assert h.waiting() == ["online", "batch-0", "batch-1", "batch-2"]
     assert h.step() == [("online", 4, True), ("batch-0", 4, True)]
     assert h.waiting() == ["batch-1", "batch-2"]
@@ -451,7 +464,7 @@ def test_a_waiting_request_of_lower_priority_value_is_admitted_first() -> None:
 
 def test_batch_work_is_preempted_before_online_work() -> None:
     h = Harness(num_blocks=3, prefix=False)
-    batch = h.add("batch", prompt(3), priority=1)
+    batch = h.add("batch", prompt(3), priority=BATCH)
     assert h.step() == [("batch", 3, True)]
     a = h.add("a", prompt(4, base=200))
     b = h.add("b", prompt(4, base=300))

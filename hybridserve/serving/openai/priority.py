@@ -6,8 +6,10 @@ Messages; it is honoured only by a server started with `--scheduling-policy prio
 a non-zero priority is a 400, as vLLM answers it, rather than a promise the server silently breaks.
 
 Bands: an online request's engine priority is its own; a batch line's (the Batch API, `run-batch`) is its own
-plus BATCH_OFFSET, which puts every batch request above (less urgent than) every online one whatever either asks
-for, while batch lines keep their order among themselves. The server marks its batch calls in their scope
+plus BATCH_OFFSET, which puts every batch request in the engine's batch band (step_budget.BACKGROUND_PRIORITY up):
+less urgent than every online one whatever either asks for, and held to --batch-step-tokens of a step while online
+work runs; batch lines keep their order among themselves. Among online requests priority orders admission and
+preemption only, as vLLM's does. The server marks its batch calls in their scope
 (`batch_state`); nothing a client sends can.
 """
 
@@ -15,13 +17,14 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
+from hybridserve.engine.step_budget import BACKGROUND_PRIORITY
 from hybridserve.serving.openai.errors import APIError
 
 FCFS, PRIORITY = "fcfs", "priority"  # --scheduling-policy (config.SCHEDULING_POLICIES)
-PRIORITY_LIMIT = 1_000_000
+PRIORITY_LIMIT = BACKGROUND_PRIORITY - 1  # every online value is below the engine's batch band
 ONLINE_PRIORITY = 0  # an online request that sets none
-# added to a batch line's priority: the most urgent batch value, PRIORITY_LIMIT + 1, is past every online one
-BATCH_OFFSET = 2 * PRIORITY_LIMIT + 1
+# added to a batch line's priority: its most urgent value, -PRIORITY_LIMIT + BATCH_OFFSET, is the band's first
+BATCH_OFFSET = BACKGROUND_PRIORITY + PRIORITY_LIMIT
 
 
 def batch_state() -> dict[str, int]:
