@@ -24,7 +24,7 @@ from hybridserve.serving.openai.generation import (
 )
 from hybridserve.serving.openai.models import check_model
 from hybridserve.serving.openai.priority import FCFS, engine_priority
-from hybridserve.serving.openai.prompt import off_loop
+from hybridserve.serving.openai.prompt import check_vocabulary, off_loop
 from hybridserve.serving.openai.protocol import CompletionRequest
 from hybridserve.serving.openai.sse import EventStreamResponse, cancel_on_disconnect, sse_event
 from hybridserve.tokenizer.detokenizer import token_text
@@ -58,14 +58,7 @@ class CompletionService:
             param = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
             if not ids:
                 raise APIError(400, f"{param} must not be empty.", param="prompt")
-            for token_id in ids:
-                if not 0 <= token_id < self.vocab_size:
-                    raise APIError(
-                        400,
-                        f"{param} contains token id {token_id}, outside the vocabulary [0, {self.vocab_size}).",
-                        param="prompt",
-                        code="invalid_value",
-                    )
+            check_vocabulary(ids, self.vocab_size, param, "prompt")
         return prompts
 
     def prompt_texts(self, prompt: str | list, prompts: list[list[int]]) -> list[str]:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from hybridserve.serving.openai.errors import APIError
+
 # Characters (or token ids) past which tokenizing takes over ~10 ms: a worker thread's hop (~0.1 ms) is then worth it.
 OFF_LOOP_SIZE = 16 * 1024
 T = TypeVar("T")
@@ -30,6 +32,18 @@ async def off_loop(size: int, work: Callable[..., T], *args: Any, **kwargs: Any)
     if size > OFF_LOOP_SIZE:
         return await asyncio.to_thread(work, *args, **kwargs)
     return work(*args, **kwargs)
+
+
+def check_vocabulary(ids: list[int], vocab_size: int, what: str, param: str) -> None:
+    """A 400 naming the first of `ids` outside the vocabulary."""
+    for token_id in ids:
+        if not 0 <= token_id < vocab_size:
+            raise APIError(
+                400,
+                f"{what} contains token id {token_id}, outside the vocabulary [0, {vocab_size}).",
+                param=param,
+                code="invalid_value",
+            )
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from hybridserve.serving.openai.errors import APIError, json_response
 from hybridserve.serving.openai.models import check_model
 from hybridserve.serving.openai.openapi import errors, json_body
 from hybridserve.serving.openai.preamble import Preamble, chat_dialect
-from hybridserve.serving.openai.prompt import off_loop
+from hybridserve.serving.openai.prompt import check_vocabulary, off_loop
 from hybridserve.serving.openai.protocol import ChatCompletionRequest, ChatMessage, RequestModel
 
 
@@ -95,14 +95,7 @@ class TokenizeService:
 
     async def detokenize(self, req: DetokenizeRequest) -> Response:
         check_model(self.engine, req.model)
-        for token_id in req.tokens:
-            if not 0 <= token_id < self.vocab_size:
-                raise APIError(
-                    400,
-                    f"tokens contains token id {token_id}, outside the vocabulary [0, {self.vocab_size}).",
-                    param="tokens",
-                    code="invalid_value",
-                )
+        check_vocabulary(req.tokens, self.vocab_size, "tokens", "tokens")
         return json_response({"prompt": await off_loop(len(req.tokens), self.tokenizer.decode, req.tokens)})
 
 
