@@ -61,11 +61,13 @@ def max_token_bytes(tokenizer: Any) -> int | None:
 def too_long(tokenizer: Any, text: str, limit: int) -> tuple[int, int, int] | None:
     """Whether `text`'s bytes alone prove it at least `limit` tokens (no token spans more than max_token_bytes):
     (that floor, the bytes, max_token_bytes) if so, else None (also where the tokenizer gives no bound)."""
-    size = len(text.encode())
-    if size < limit:  # a token is at least a byte
+    if 4 * len(text) < limit:  # at most 4 bytes a character, at least 1 a token: no need to encode it
         return None
     most = max_token_bytes(tokenizer)
-    if most is None or -(-size // most) < limit:
+    if most is None or 4 * len(text) < limit * most:
+        return None
+    size = len(text.encode())
+    if -(-size // most) < limit:
         return None
     return -(-size // most), size, most
 
