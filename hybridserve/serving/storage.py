@@ -34,6 +34,13 @@ def disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
+def write_failure(exc: BaseException) -> str:
+    """Why a write failed, in words (an OSError's without its errno prefix)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
+
+
 class DataDirInUse(RuntimeError):
     """Another process (another server) holds the data directory's lock."""
 

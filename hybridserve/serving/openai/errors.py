@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridserve.sampling_params import InvalidParameter
-from hybridserve.serving.storage import disk_full
+from hybridserve.serving.storage import disk_full, write_failure
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
@@ -133,7 +133,7 @@ def install_error_handlers(app: FastAPI) -> None:
         # Starlette re-raises after this response is sent, so the server logs the traceback.
         if disk_full(exc):  # any write path the routes do not answer themselves
             return APIError(
-                507, f"The server could not store what the request writes: {exc}.", type=SERVER_ERROR
+                507, f"The server could not store what the request writes: {write_failure(exc)}.", type=SERVER_ERROR
             ).response()
         return APIError(500, f"Internal server error: {exc}", type=SERVER_ERROR).response()
 

@@ -52,7 +52,7 @@ from hybridserve.serving.openai.batches.protocol import (
 from hybridserve.serving.openai.batches.store import Batch, BatchStore
 from hybridserve.serving.openai.batches.validate import read_lines, validate_input
 from hybridserve.serving.openai.files.store import FileStore
-from hybridserve.serving.storage import disk_full
+from hybridserve.serving.storage import disk_full, write_failure
 
 logger = logging.getLogger(__name__)
 EXPIRED = "This request could not be executed before the completion window expired."
@@ -344,7 +344,7 @@ class BatchRunner:
         if disk_full(exc):
             message = (
                 f"The batch failed: its results could not be written to {self.files.directory}: "
-                f"{getattr(exc, 'strerror', None) or exc}. The results written before are in its output and error "
+                f"{write_failure(exc)}. The results written before are in its output and error "
                 "files."
             )
             return {"code": "insufficient_storage", "line": None, "message": message, "param": None}

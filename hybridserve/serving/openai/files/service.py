@@ -17,7 +17,7 @@ from hybridserve.serving.openai.files.expiry import form_expiry
 from hybridserve.serving.openai.files.store import FileStore, StoredFile, new_file_id
 from hybridserve.serving.openai.files.upload import receive_upload
 from hybridserve.serving.openai.protocol import list_page
-from hybridserve.serving.storage import disk_full
+from hybridserve.serving.storage import disk_full, write_failure
 
 logger = logging.getLogger(__name__)
 PURPOSES = ("batch", "user_data")
@@ -45,7 +45,7 @@ class FilesService:
                 raise
             logger.warning("upload %s refused: %s", file_id, exc)
             raise APIError(
-                507, f"The file could not be stored in {self.store.directory}: {_reason(exc)}.", type=SERVER_ERROR
+                507, f"The file could not be stored in {self.store.directory}: {write_failure(exc)}.", type=SERVER_ERROR
             ) from None
 
     async def _upload(self, request: Request, file_id: str) -> dict[str, Any]:
@@ -122,7 +122,3 @@ class FilesService:
             await asyncio.sleep(interval_s)
             if deleted := self.store.delete_expired(self.in_use):
                 logger.info("deleted %d expired files: %s", len(deleted), ", ".join(deleted))
-
-
-def _reason(exc: OSError | sqlite3.Error) -> str:
-    return exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
